@@ -1,0 +1,5 @@
+import sys
+
+from esbatch.cli import main
+
+sys.exit(main())

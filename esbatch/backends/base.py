@@ -1,0 +1,80 @@
+"""The small interface the trainers talk to. A backend owns the live model: it generates, and it
+moves the weights (perturb from a seed, restore the center, apply an update) without the trainer
+knowing how or where the weights live (one HF model here; vLLM engines in another backend).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.7
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+
+
+@dataclass
+class Generation:
+    text: str
+    n_tokens: int  # generated tokens, EOS included when it was produced
+
+
+@dataclass
+class UpdateStats:
+    update_l2: float  # ||theta_{t+1} - theta_t|| of the fp32 center
+    changed_fraction: float  # elements whose compute-dtype value actually changed
+    rel_distance: float | None = None  # ||theta_t - theta_0|| / ||theta_0||, when tracked
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class GenerationBackend(ABC):
+    """Generate with the current weights; perturb/restore/update them in place from seeds."""
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, cfg: Any) -> GenerationBackend:
+        """Build the backend (load the model) from a validated TrainConfig."""
+
+    @abstractmethod
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        """Render chat messages with the model's own chat template, ready for generation."""
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[str], sampling: SamplingParams, seed: int) -> list[Generation]:
+        """One response per prompt, reproducible for a given seed and set of weights."""
+
+    @abstractmethod
+    def perturb(self, seed: int, scale: float) -> None:
+        """theta <- center + scale * eps(seed), in place. Only from the center (call restore() between)."""
+
+    @abstractmethod
+    def restore(self) -> None:
+        """Put the center back, bit for bit."""
+
+    @abstractmethod
+    def update(self, seeds: Sequence[int], weights: Sequence[float], alpha: float, n: int) -> UpdateStats:
+        """center <- center + alpha/n * sum_i weights_i * eps(seeds_i)  (see esbatch.es.core.es_update)."""
+
+    @abstractmethod
+    def center_state_dict(self) -> dict[str, torch.Tensor]:
+        """A detached fp32 copy of the center, keyed by HF parameter names."""
+
+    @abstractmethod
+    def load_center(self, state: dict[str, torch.Tensor]) -> None:
+        """Replace the center (resume from a checkpoint)."""
+
+    @abstractmethod
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write the center as an HF model directory (weights in the compute dtype + tokenizer)."""
+
+    def memory_report(self) -> dict[str, float]:
+        """Bytes held by the backend beyond the model itself (master copy, theta_0, ...)."""
+        return {}

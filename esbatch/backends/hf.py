@@ -1,0 +1,138 @@
+"""HF transformers backend: batched sampling with a KV cache and left padding; in-place weight moves.
+
+The center lives in an fp32 master copy (``self.master``). The live parameters are always
+``master.to(compute dtype)`` at the center, so ``restore()`` is an exact copy, and a perturbation is
+computed in fp32 and rounded once. Cost: one fp32 copy of the parameters (4 bytes/param), plus
+another for theta_0 when drift tracking is on. In-place add/subtract would need no copy but does not
+restore exactly (about 1% of fp32 elements off after one cycle, worse in bf16).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from esbatch.backends.base import Generation, GenerationBackend, SamplingParams, UpdateStats
+from esbatch.es.core import es_update
+from esbatch.es.noise import direction
+
+
+class HFBackend(GenerationBackend):
+    def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 64, track_drift: bool = True) -> None:
+        self.model, self.tok, self.batch_size = model, tokenizer, batch_size
+        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())  # tied weights once
+        self.master = {n: p.detach().to(torch.float32, copy=True) for n, p in self.params.items()}
+        self.theta0 = {n: t.clone() for n, t in self.master.items()} if track_drift else None
+        self._theta0_norm = _norm(self.theta0.values()) if self.theta0 else None
+        self.perturbed = False
+        eos = {tokenizer.eos_token_id}
+        gen_eos = getattr(model.generation_config, "eos_token_id", None)
+        eos |= set(gen_eos) if isinstance(gen_eos, (list, tuple)) else {gen_eos}
+        self.eos_ids = sorted(e for e in eos if e is not None)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> HFBackend:
+        from esbatch.models import load_model_and_tokenizer
+
+        model, tok = load_model_and_tokenizer(cfg.model.name, cfg.model.gguf_file, cfg.model.revision, cfg.model.dtype)
+        return cls(model, tok, batch_size=cfg.generation.batch_size, track_drift=cfg.tracking.drift)
+
+    # ---------------------------------------------------------------- generation
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str], sampling: SamplingParams, seed: int) -> list[Generation]:
+        from transformers import GenerationConfig
+
+        greedy = sampling.temperature == 0
+        gcfg = GenerationConfig(
+            do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature,
+            top_p=None if greedy else sampling.top_p,
+            top_k=None,
+            max_new_tokens=sampling.max_new_tokens,
+            pad_token_id=self.tok.pad_token_id,
+            eos_token_id=self.eos_ids,
+        )
+        torch.manual_seed(seed)
+        out: list[Generation] = []
+        for i in range(0, len(prompts), self.batch_size):
+            chunk = list(prompts[i : i + self.batch_size])
+            enc = self.tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+            seqs = self.model.generate(**enc, generation_config=gcfg)
+            for row in seqs[:, enc["input_ids"].shape[1] :].tolist():
+                n = len(row)
+                for k, tok_id in enumerate(row):
+                    if tok_id in self.eos_ids:
+                        n = k + 1
+                        break
+                out.append(Generation(self.tok.decode(row[:n], skip_special_tokens=True), n))
+        return out
+
+    # ---------------------------------------------------------------- weights
+    @torch.no_grad()
+    def perturb(self, seed: int, scale: float) -> None:
+        if self.perturbed:
+            raise RuntimeError("perturb() called on perturbed weights; call restore() first")
+        self.perturbed = True
+        for name, p in self.params.items():
+            eps = direction(seed, name, p.shape).to(p.device)
+            p.copy_(eps.mul_(scale).add_(self.master[name]))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for name, p in self.params.items():
+            p.copy_(self.master[name])
+        self.perturbed = False
+
+    @torch.no_grad()
+    def update(self, seeds: Sequence[int], weights: Sequence[float], alpha: float, n: int) -> UpdateStats:
+        if self.perturbed:
+            raise RuntimeError("update() called on perturbed weights; call restore() first")
+        l2 = es_update(self.master, seeds, weights, alpha, n)
+        changed = total = 0
+        for name, p in self.params.items():
+            new = self.master[name].to(p.dtype)
+            changed += int((new != p).sum())
+            total += p.numel()
+            p.copy_(new)
+        return UpdateStats(update_l2=l2, changed_fraction=changed / total, rel_distance=self.rel_distance())
+
+    def rel_distance(self) -> float | None:
+        if self.theta0 is None:
+            return None
+        diff = _norm(self.master[n] - t0 for n, t0 in self.theta0.items())
+        return diff / self._theta0_norm
+
+    def center_state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self.master.items()}
+
+    @torch.no_grad()
+    def load_center(self, state: dict[str, torch.Tensor]) -> None:
+        missing = set(self.master) ^ set(state)
+        if missing:
+            raise KeyError(f"checkpoint and model disagree on parameters: {sorted(missing)[:5]}")
+        for name, t in state.items():
+            self.master[name].copy_(t)
+            self.params[name].copy_(self.master[name])
+        self.perturbed = False
+
+    def save_pretrained(self, path: str | Path) -> None:
+        if self.perturbed:
+            raise RuntimeError("save_pretrained() on perturbed weights; call restore() first")
+        self.model.save_pretrained(path)
+        self.tok.save_pretrained(path)
+
+    def memory_report(self) -> dict[str, float]:
+        model_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
+        master_bytes = sum(t.numel() * 4 for t in self.master.values())
+        theta0_bytes = master_bytes if self.theta0 is not None else 0
+        return {"model_bytes": model_bytes, "master_bytes": master_bytes, "theta0_bytes": theta0_bytes}
+
+
+def _norm(tensors: Any) -> float:
+    return sum(float(t.double().square().sum()) for t in tensors) ** 0.5

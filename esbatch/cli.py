@@ -1,0 +1,147 @@
+"""The `esbatch` command line: train, validate, ls (sweep, eval and friends arrive with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import esbatch
+
+
+def _add_set(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set es.sigma=0.01 (repeatable; values parsed as YAML)",
+    )
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from esbatch.config import load_config
+    from esbatch.es.trainer import train
+
+    if args.resume:
+        rd = Path(args.resume)
+        if not (rd / "config.yaml").exists():
+            print(
+                f"error: --resume {rd}: no config.yaml there; give the run directory printed by `esbatch train`",
+                file=sys.stderr,
+            )
+            return 2
+        if args.config:
+            print("error: give either a CONFIG or --resume RUN_DIR, not both", file=sys.stderr)
+            return 2
+        cfg = load_config(str(rd / "config.yaml"), args.overrides)
+        run_dir = rd
+    else:
+        cfg = load_config(args.config, args.overrides)
+        run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    print(
+        f"esbatch {esbatch.__version__}: {'resuming' if args.resume else 'training'} {cfg.algorithm} "
+        f"on {cfg.task.name} with {cfg.model.name} ({cfg.model.dtype}) -> {run_dir}",
+        file=sys.stderr,
+    )
+    try:
+        s = train(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted. Continue with: esbatch train --resume {run_dir}", file=sys.stderr)
+        return 130
+    first, last = s["heldout_first"], s["heldout_last"]
+    print(f"\ndone: {s['updates']} updates in {s['wall_s']:.0f} s, peak RSS {s['peak_rss_mb']:.0f} MB")
+    if first and last:
+        print(
+            f"held-out greedy accuracy: {first['heldout/accuracy']:.3f} (update {first['t']}) -> "
+            f"{last['heldout/accuracy']:.3f} (update {last['t']})"
+        )
+    print(f"run directory: {s['run_dir']}")
+    print(f"MLflow run {s['mlflow_run_id']} (experiment {s['experiment_id']}) in {s['tracking_uri']}")
+    if s["tracking_uri"].startswith("sqlite:"):
+        print(f"  view it: mlflow ui --backend-store-uri {s['tracking_uri']}")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from esbatch.config import ConfigError, describe, load_config
+
+    if args.schema:
+        for key, tp, default, help_ in describe():
+            print(f"{key:28s} {tp:16s} default={default!r}\n    {help_}")
+        return 0
+    if not args.files:
+        print("error: give one or more config files (or --schema)", file=sys.stderr)
+        return 2
+    bad = 0
+    for f in args.files:
+        try:
+            cfg = load_config(f, args.overrides)
+            print(f"ok: {f} ({cfg.algorithm}, task {cfg.task.name}, model {cfg.model.name})")
+        except ConfigError as e:
+            bad += 1
+            print(str(e), file=sys.stderr)
+    return 1 if bad else 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from esbatch.backends import BACKENDS
+    from esbatch.config import builtin_configs
+    from esbatch.models import MODELS
+    from esbatch.tasks import TASKS
+
+    for title, reg in (("tasks", TASKS), ("models", MODELS), ("backends", BACKENDS)):
+        print(f"{title}:")
+        for name in reg:
+            print(f"  {name:32s} {reg.help(name)}")
+    print("built-in configs:")
+    for name in builtin_configs():
+        print(f"  {name}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="esbatch", description="ES and GRPO post-training for LLM reasoning.")
+    p.add_argument("--version", action="version", version=f"esbatch {esbatch.__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    t = sub.add_parser("train", help="train one config (default: the built-in CPU quickstart)")
+    t.add_argument("config", nargs="?", help="YAML file or built-in config name (see `esbatch ls`)")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its run directory")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar (for batch logs)")
+    _add_set(t)
+    t.set_defaults(func=cmd_train)
+
+    v = sub.add_parser("validate", help="check config files without loading any model")
+    v.add_argument("files", nargs="*", help="YAML files or built-in config names")
+    v.add_argument("--schema", action="store_true", help="print every config key with its type, default and help")
+    _add_set(v)
+    v.set_defaults(func=cmd_validate)
+
+    ls = sub.add_parser("ls", help="list registered tasks, models, backends and built-in configs")
+    ls.set_defaults(func=cmd_ls)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from esbatch.config import ConfigError
+    from esbatch.registry import UnknownNameError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (UnknownNameError, FileExistsError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""The ES math: population layout, reward normalization, and the center update (paper App. G.1)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from esbatch.es.noise import direction
+
+
+@dataclass(frozen=True)
+class Member:
+    """One evaluation of the population: center + sign * sigma * eps(seed), sampled with gen_seed."""
+
+    seed: int
+    sign: int
+    gen_seed: int
+
+
+def draw_population(run_seed: int, t: int, n: int, estimator: str, generation_seeds: str) -> list[Member]:
+    """The N members of update ``t``; a pure function of (run seed, t) so a resumed run draws the same.
+
+    one_point: N independent 32-bit direction seeds, each evaluated once at +sigma.
+    antithetic: N/2 seeds, each evaluated at +sigma then -sigma.
+    """
+    n_dirs = n // 2 if estimator == "antithetic" else n
+    seeds = np.random.default_rng([run_seed, t, 0xE5]).integers(0, 2**32, size=n_dirs, dtype=np.uint64)
+    gens = np.random.default_rng([run_seed, t, 0x6E]).integers(0, 2**31, size=n, dtype=np.uint64)
+    signs = [1, -1] if estimator == "antithetic" else [1]
+    members = []
+    for _i, s in enumerate(seeds):
+        for k, sign in enumerate(signs):
+            j = len(members)
+            g = {"independent": gens[j], "antithetic_pairs": gens[j - k], "population": gens[0]}[generation_seeds]
+            members.append(Member(int(s), sign, int(g)))
+    return members
+
+
+def normalize(rewards: Sequence[float], method: str, eps_num: float = 1e-8) -> np.ndarray:
+    """Population reward shaping.
+
+    zscore:        z_i = (R_i - mean R) / (sqrt(1/N sum_j (R_j - mean R)^2) + eps_num)   (App. G.1)
+    none:          z_i = R_i
+    centered_rank: z_i = rank(R_i) / (N - 1) - 1/2, ties share their mean rank (Salimans et al., 2017)
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    if method == "zscore":
+        return (r - r.mean()) / (r.std() + eps_num)
+    if method == "none":
+        return r.copy()
+    if method == "centered_rank":
+        order = np.argsort(r, kind="stable")
+        ranks = np.empty(len(r))
+        ranks[order] = np.arange(len(r), dtype=np.float64)
+        for v in np.unique(r):  # average the ranks of ties
+            tie = r == v
+            ranks[tie] = ranks[tie].mean()
+        return ranks / (len(r) - 1) - 0.5
+    raise ValueError(f"unknown normalization {method!r}; valid: zscore, none, centered_rank")
+
+
+def direction_weights(members: Sequence[Member], z: Sequence[float]) -> tuple[list[int], list[float]]:
+    """Collapse member scores onto distinct directions: w(seed) = sum over its members of sign * z.
+
+    For antithetic pairs this is z(+) - z(-), the difference of the pair.
+    """
+    w: dict[int, float] = {}
+    for m, zi in zip(members, z):
+        w[m.seed] = w.get(m.seed, 0.0) + m.sign * float(zi)
+    return list(w), list(w.values())
+
+
+@torch.no_grad()
+def es_update(
+    center: Mapping[str, torch.Tensor], seeds: Sequence[int], weights: Sequence[float], alpha: float, n: int
+) -> float:
+    r"""Apply the ES step to the fp32 center in place and return the update's L2 norm.
+
+        theta_{t+1} = theta_t + alpha / N * sum_i w_i * eps_i
+
+    with w_i the normalized reward of direction i (one-point) or z(+) - z(-) (antithetic), N the
+    population size, and eps_i rebuilt tensor by tensor from (seed_i, name). The sum is accumulated
+    in fp32 and added once per tensor, so small steps are not lost to rounding in a low-precision
+    compute dtype. Directions with w_i == 0 contribute nothing and are skipped.
+    """
+    sq = 0.0
+    for name, theta in center.items():
+        if theta.dtype != torch.float32:
+            raise TypeError(f"{name}: the ES center must be fp32, got {theta.dtype}")
+        acc = torch.zeros(theta.shape, dtype=torch.float32)
+        for seed, w in zip(seeds, weights):
+            if w != 0.0:
+                acc.add_(direction(seed, name, theta.shape), alpha=float(w))
+        acc.mul_(alpha / n)
+        theta.add_(acc.to(theta.device))
+        sq += float(acc.double().square().sum())
+    return sq**0.5

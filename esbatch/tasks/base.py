@@ -1,0 +1,134 @@
+"""The task interface: where problems come from, how they are prompted, and how a response is scored."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from esbatch.registry import did_you_mean
+from esbatch.tasks.verify import Verdict
+
+# Appendix G.5 system prompts, by task family.
+SYSTEM_PROMPTS = {
+    "math": "Please reason step by step, and put your final answer within \\boxed{}.",
+    "multiple_choice": (
+        "Please reason step by step to solve the following multiple-choice question. "
+        "Put your final choice letter inside \\boxed{}, e.g., \\boxed{C}."
+    ),
+    "open_qa": (
+        "Answer the question using the provided context. Keep the final answer short, "
+        "and put it inside <answer> </answer> tags."
+    ),
+    "countdown": (
+        "Using the given numbers, each exactly once, and only + - * / and parentheses, write an "
+        "expression equal to the target. Put the final expression inside <answer> </answer> tags."
+    ),
+}
+
+
+@dataclass
+class Example:
+    """One problem: the user-facing question, the gold answer, and whatever the verifier needs."""
+
+    question: str
+    answer: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Task:
+    """Base class. Subclasses set ``family`` and implement ``examples``, ``score`` and ``demo_response``.
+
+    Constructor keyword arguments are the task's ``params`` in the config; ``check_params`` validates
+    them against the signature before anything loads.
+    """
+
+    family: ClassVar[str] = "math"
+
+    def __init__(self, data_path: str | None = None) -> None:
+        self.data_path = data_path
+
+    # --- data ------------------------------------------------------------------------------
+    def splits(self, n_train: int | None, n_heldout: int, n_demo: int, seed: int) -> dict[str, list[Example]]:
+        """{"train", "heldout", "demo"} -> examples; no problem appears in two splits.
+
+        ``n_train=None`` means the task's whole training split (procedural tasks: ``default_train_size``).
+        """
+        raise NotImplementedError
+
+    # --- prompting -------------------------------------------------------------------------
+    def user_message(self, ex: Example) -> str:
+        return ex.question
+
+    def demo_response(self, ex: Example) -> str:
+        """A short worked answer in the required format, for few-shot demonstrations."""
+        raise NotImplementedError
+
+    def messages(self, ex: Example, demos: list[Example], system_prompt: str | None = None) -> list[dict[str, str]]:
+        """Chat messages: G.5 system prompt, few-shot turns, then the question."""
+        msgs = [{"role": "system", "content": system_prompt or SYSTEM_PROMPTS[self.family]}]
+        for d in demos:
+            msgs.append({"role": "user", "content": self.user_message(d)})
+            msgs.append({"role": "assistant", "content": self.demo_response(d)})
+        msgs.append({"role": "user", "content": self.user_message(ex)})
+        return msgs
+
+    # --- scoring ---------------------------------------------------------------------------
+    def score(self, response: str, ex: Example) -> Verdict:
+        raise NotImplementedError
+
+    # --- validation ------------------------------------------------------------------------
+    @classmethod
+    def param_spec(cls) -> dict[str, Any]:
+        """name -> default for every accepted param."""
+        sig = inspect.signature(cls.__init__)
+        return {
+            n: p.default
+            for n, p in sig.parameters.items()
+            if n not in ("self", "data_path") and p.kind == p.KEYWORD_ONLY
+        }
+
+    @classmethod
+    def check_params(cls, params: dict[str, Any], path: str, errors: list[str]) -> None:
+        spec = cls.param_spec()
+        for k, v in params.items():
+            if k not in spec:
+                valid = ", ".join(spec) or "(none)"
+                errors.append(
+                    f"{path}.{k}: unknown parameter of this task.{did_you_mean(k, list(spec))} Valid: {valid}"
+                )
+                continue
+            d = spec[k]
+            if d is not None and not _same_kind(v, d):
+                errors.append(f"{path}.{k}: expected {type(d).__name__} like {d!r}, got {type(v).__name__} {v!r}")
+
+
+def _same_kind(v: Any, d: Any) -> bool:
+    if isinstance(d, bool):
+        return isinstance(v, bool)
+    if isinstance(d, int):
+        return isinstance(v, int) and not isinstance(v, bool)
+    if isinstance(d, float):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if isinstance(d, (list, tuple)):
+        return isinstance(v, (list, tuple))
+    return isinstance(v, type(d))
+
+
+def disjoint_splits(make: Any, n_train: int, n_heldout: int, n_demo: int, seed: int) -> dict[str, list[Example]]:
+    """Draw train/heldout/demo from a generator ``make(size, seed)`` with no question in two splits."""
+    out: dict[str, list[Example]] = {}
+    seen: set[str] = set()
+    for i, (split, n) in enumerate((("heldout", n_heldout), ("demo", n_demo), ("train", n_train))):
+        kept: list[Example] = []
+        attempt = 0
+        while len(kept) < n:
+            for ex in make(2 * (n - len(kept)) + 8, seed * 1000 + i * 97 + attempt):
+                if ex.question not in seen and len(kept) < n:
+                    seen.add(ex.question)
+                    kept.append(ex)
+            attempt += 1
+            if attempt > 50:
+                raise ValueError(f"could not draw {n} distinct {split} problems: the generator's space is too small")
+        out[split] = kept
+    return out

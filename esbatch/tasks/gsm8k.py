@@ -1,0 +1,84 @@
+"""GSM8K (Cobbe et al., 2021): real hub loading through `datasets`, or a local file override."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from esbatch.tasks.base import Example, Task
+from esbatch.tasks.verify import Verdict, check_boxed_number
+
+
+def gold_from_solution(solution: str) -> str:
+    """GSM8K solutions end with '#### 72'; the gold answer is that number without separators."""
+    if "####" not in solution:
+        raise ValueError(f"GSM8K solution without '####' marker: {solution[-80:]!r}")
+    return solution.split("####")[-1].strip().replace(",", "")
+
+
+def load_rows(
+    source: str, split: str, *, config: str | None = None, revision: str | None = None
+) -> list[dict[str, Any]]:
+    """Rows from a local file (jsonl/json/parquet/csv) or a hub dataset id."""
+    import datasets
+
+    p = Path(source)
+    if p.exists():
+        kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(p.suffix)
+        if kind is None:
+            raise ValueError(f"{source}: unsupported data file type {p.suffix!r}; use .jsonl, .json, .parquet or .csv")
+        return list(datasets.load_dataset(kind, data_files=str(p), split="train"))
+    return list(datasets.load_dataset(source, config, split=split, revision=revision))
+
+
+class GSM8KTask(Task):
+    """GSM8K grade-school math word problems; numeric answer in \\boxed{}."""
+
+    family = "math"
+
+    def __init__(
+        self,
+        data_path: str | None = None,
+        *,
+        hub_id: str = "openai/gsm8k",
+        hub_config: str = "main",
+        train_split: str = "train",
+        heldout_split: str = "test",
+    ) -> None:
+        super().__init__(data_path)
+        self.hub_id, self.hub_config = hub_id, hub_config
+        self.train_split, self.heldout_split = train_split, heldout_split
+
+    @staticmethod
+    def _example(row: dict[str, Any]) -> Example:
+        for key in ("question", "answer"):
+            if key not in row:
+                raise ValueError(f"GSM8K row lacks the '{key}' field (has: {', '.join(row)})")
+        return Example(
+            question=row["question"], answer=gold_from_solution(row["answer"]), meta={"solution": row["answer"]}
+        )
+
+    def splits(self, n_train: int | None, n_heldout: int, n_demo: int, seed: int) -> dict[str, list[Example]]:
+        if self.data_path:
+            # One local file: the last n_heldout rows are held out, the first n_demo are demos.
+            rows = [self._example(r) for r in load_rows(self.data_path, "train")]
+            if len(rows) < n_heldout + n_demo + 1:
+                raise ValueError(
+                    f"{self.data_path}: {len(rows)} rows, need more than heldout+demo = {n_heldout + n_demo}"
+                )
+            heldout = rows[len(rows) - n_heldout :] if n_heldout else []
+            demo, train = rows[:n_demo], rows[n_demo : len(rows) - n_heldout]
+        else:
+            train_rows = [self._example(r) for r in load_rows(self.hub_id, self.train_split, config=self.hub_config)]
+            heldout = [self._example(r) for r in load_rows(self.hub_id, self.heldout_split, config=self.hub_config)]
+            heldout = heldout[:n_heldout]
+            demo, train = train_rows[:n_demo], train_rows[n_demo:]
+        return {"train": train[:n_train] if n_train else train, "heldout": heldout, "demo": demo}
+
+    def demo_response(self, ex: Example) -> str:
+        steps = re.sub(r"<<[^>]*>>", "", ex.meta["solution"].split("####")[0]).strip()
+        return f"{steps}\nThe answer is \\boxed{{{ex.answer}}}."
+
+    def score(self, response: str, ex: Example) -> Verdict:
+        return check_boxed_number(response, ex.answer)

@@ -1,0 +1,97 @@
+"""MLflow logging for training runs: params = flattened resolved config, metrics per update, artifacts.
+
+The default store is a local sqlite database beside the run directories (no server needed):
+``sqlite:///<output_dir>/mlflow.db`` with artifacts in ``<output_dir>/mlartifacts``. Open it with
+``mlflow ui --backend-store-uri sqlite:///<output_dir>/mlflow.db``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import esbatch
+
+
+def default_tracking_uri(output_dir: str | Path) -> str:
+    return f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(esbatch.__file__).parent, capture_output=True, text=True, timeout=5
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_tags() -> dict[str, str]:
+    return {"git_commit": _git_commit(), "host": socket.gethostname(), "esbatch_version": esbatch.__version__}
+
+
+class MLflowTracker:
+    """One MLflow run per training run; resumable by run id so a resumed run keeps one MLflow run."""
+
+    def __init__(self, uri: str, experiment: str, artifact_root: str | Path | None = None) -> None:
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        self.mlflow, self.uri = mlflow, uri
+        self.client = MlflowClient(tracking_uri=uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        if exp is None:
+            loc = None
+            if artifact_root is not None and uri.startswith("sqlite:"):
+                loc = Path(artifact_root).resolve().as_uri()
+            try:
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location=loc)
+            except Exception:  # created concurrently by another process
+                self.experiment_id = self.client.get_experiment_by_name(experiment).experiment_id
+        else:
+            self.experiment_id = exp.experiment_id
+        self.run_id: str | None = None
+
+    def start(self, run_name: str, params: dict[str, Any], tags: dict[str, str], run_id: str | None = None) -> str:
+        """Create the run (or reopen ``run_id`` on resume) and log params once."""
+        if run_id is not None:
+            self.run_id = run_id
+            self.client.update_run(run_id, status="RUNNING")
+            return run_id
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
+        self.run_id = run.info.run_id
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+        return self.run_id
+
+    def last_step(self, key: str) -> int:
+        """Largest step logged for ``key`` (-1 if none): lets a resumed run log each step exactly once."""
+        hist = self.client.get_metric_history(self.run_id, key)
+        return max((m.step for m in hist), default=-1)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        ms = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
+        self.client.log_batch(self.run_id, metrics=ms)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_artifacts(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifacts(self.run_id, str(path), artifact_path)
+
+    def end(self, status: str = "FINISHED") -> None:
+        if self.run_id:
+            self.client.set_terminated(self.run_id, status=status)
