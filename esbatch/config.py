@@ -67,7 +67,7 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = _f("arithmetic", "Registered task (see `esbatch ls`).")
+    name: str = _f("arithmetic", 'Registered task (see `esbatch ls`) or your own "package.module:Class".')
     params: dict = _f({}, "Task-specific options, checked against the task's constructor.")
     data_path: str | None = _f(None, "Local file (jsonl/json/parquet/csv) used instead of the hub dataset.")
     train_size: int | None = _f(None, "Training problems to use (None = all / the task's default).", ge=1)

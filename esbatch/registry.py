@@ -49,6 +49,12 @@ class Registry(Generic[T]):
         return _add if obj is None else _add(obj)
 
     def get(self, name: str) -> T:
+        if name not in self._entries and ":" in name:  # a user's own "package.module:Class"
+            module, _, attr = name.partition(":")
+            try:
+                return getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError) as e:
+                raise UnknownNameError(f"{self.kind} '{name}': cannot import it ({e})") from None
         if name not in self._entries:
             names = sorted(self._entries)
             raise UnknownNameError(
@@ -68,6 +74,12 @@ class Registry(Generic[T]):
         return self._help.get(name, "")
 
     def __contains__(self, name: object) -> bool:
+        if isinstance(name, str) and name not in self._entries and ":" in name:
+            try:
+                self.get(name)
+            except UnknownNameError:
+                return False
+            return True
         return name in self._entries
 
     def __iter__(self) -> Iterator[str]:

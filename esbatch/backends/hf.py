@@ -20,25 +20,15 @@ from esbatch.es.core import es_update
 from esbatch.es.noise import direction
 
 
-class HFBackend(GenerationBackend):
-    def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 64, track_drift: bool = True) -> None:
+class HFGenerator:
+    """Batched generation with an HF causal LM (no ES state): what evaluation and inference need."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 64) -> None:
         self.model, self.tok, self.batch_size = model, tokenizer, batch_size
-        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())  # tied weights once
-        self.master = {n: p.detach().to(torch.float32, copy=True) for n, p in self.params.items()}
-        self.theta0 = {n: t.clone() for n, t in self.master.items()} if track_drift else None
-        self._theta0_norm = _norm(self.theta0.values()) if self.theta0 else None
-        self.perturbed = False
         eos = {tokenizer.eos_token_id}
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
         eos |= set(gen_eos) if isinstance(gen_eos, (list, tuple)) else {gen_eos}
         self.eos_ids = sorted(e for e in eos if e is not None)
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> HFBackend:
-        from esbatch.models import load_model_and_tokenizer
-
-        model, tok = load_model_and_tokenizer(cfg.model.name, cfg.model.gguf_file, cfg.model.revision, cfg.model.dtype)
-        return cls(model, tok, batch_size=cfg.generation.batch_size, track_drift=cfg.tracking.drift)
 
     # ---------------------------------------------------------------- generation
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
@@ -72,6 +62,23 @@ class HFBackend(GenerationBackend):
                         break
                 out.append(Generation(self.tok.decode(row[:n], skip_special_tokens=True), n))
         return out
+
+
+class HFBackend(HFGenerator, GenerationBackend):
+    def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 64, track_drift: bool = True) -> None:
+        super().__init__(model, tokenizer, batch_size=batch_size)
+        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())  # tied weights once
+        self.master = {n: p.detach().to(torch.float32, copy=True) for n, p in self.params.items()}
+        self.theta0 = {n: t.clone() for n, t in self.master.items()} if track_drift else None
+        self._theta0_norm = _norm(self.theta0.values()) if self.theta0 else None
+        self.perturbed = False
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> HFBackend:
+        from esbatch.models import load_model_and_tokenizer
+
+        model, tok = load_model_and_tokenizer(cfg.model.name, cfg.model.gguf_file, cfg.model.revision, cfg.model.dtype)
+        return cls(model, tok, batch_size=cfg.generation.batch_size, track_drift=cfg.tracking.drift)
 
     # ---------------------------------------------------------------- weights
     @torch.no_grad()

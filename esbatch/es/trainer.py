@@ -154,6 +154,8 @@ def train(
         torch.set_num_threads(cfg.run.threads)
 
     t_start = time.perf_counter()
+    uri = cfg.tracking.uri or default_tracking_uri(cfg.run.output_dir)
+    tracker = tracker or MLflowTracker(uri, cfg.tracking.experiment, Path(cfg.run.output_dir) / "mlartifacts")
     backend = BACKENDS.get(cfg.backend.name).from_config(cfg)
     probs = load_problems(cfg, backend)
     total = cfg.total_updates(len(probs.train))
@@ -169,9 +171,7 @@ def train(
     start = len(records)
 
     # ---- tracking
-    uri = cfg.tracking.uri or default_tracking_uri(cfg.run.output_dir)
     meta = rd.read_meta()
-    tracker = tracker or MLflowTracker(uri, cfg.tracking.experiment, Path(cfg.run.output_dir) / "mlartifacts")
     run_id = tracker.start(
         cfg.run.name,
         flatten(cfg.to_dict()),

@@ -7,13 +7,32 @@ The default store is a local sqlite database beside the run directories (no serv
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import socket
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import esbatch
+
+
+@contextlib.contextmanager
+def _sqlite_lock(uri: str) -> Iterator[None]:
+    """An exclusive file lock beside a sqlite store while it is opened (and possibly created)."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(uri[len("sqlite:///") :])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def default_tracking_uri(output_dir: str | Path) -> str:
@@ -43,19 +62,22 @@ class MLflowTracker:
         from mlflow.tracking import MlflowClient
 
         self.mlflow, self.uri = mlflow, uri
-        self.client = MlflowClient(tracking_uri=uri)
+        with _sqlite_lock(uri):  # concurrent first use of one sqlite file races on schema creation
+            self.client = MlflowClient(tracking_uri=uri)
+            self.experiment_id = self._experiment(experiment, uri, artifact_root)
+        self.run_id: str | None = None
+
+    def _experiment(self, experiment: str, uri: str, artifact_root: str | Path | None) -> str:
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
             loc = None
             if artifact_root is not None and uri.startswith("sqlite:"):
                 loc = Path(artifact_root).resolve().as_uri()
             try:
-                self.experiment_id = self.client.create_experiment(experiment, artifact_location=loc)
+                return self.client.create_experiment(experiment, artifact_location=loc)
             except Exception:  # created concurrently by another process
-                self.experiment_id = self.client.get_experiment_by_name(experiment).experiment_id
-        else:
-            self.experiment_id = exp.experiment_id
-        self.run_id: str | None = None
+                return self.client.get_experiment_by_name(experiment).experiment_id
+        return exp.experiment_id
 
     def start(self, run_name: str, params: dict[str, Any], tags: dict[str, str], run_id: str | None = None) -> str:
         """Create the run (or reopen ``run_id`` on resume) and log params once."""

@@ -1,0 +1,1 @@
+"""Reading finished runs back and turning them into tables and plots."""

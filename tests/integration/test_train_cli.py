@@ -1,0 +1,150 @@
+"""`esbatch train` end to end on a tiny random model: MLflow contents, and resume after SIGKILL is bit-exact."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+UPDATES = 6
+
+
+def write_config(tmp: Path, model_dir: Path, name: str) -> Path:
+    cfg = {
+        "run": {"name": name, "seed": 3, "output_dir": str(tmp / "runs"), "threads": 1},
+        "model": {"name": str(model_dir), "dtype": "float32"},
+        "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": 4, "few_shot": 1},
+        "generation": {"temperature": 1.0, "max_new_tokens": 6, "batch_size": 8},
+        "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02, "batch_size": 4, "updates": UPDATES},
+        "eval": {"every": 3},
+        "checkpoint": {"every": 2},
+        "tracking": {"experiment": "tests"},
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def esbatch(*args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "esbatch", *args, "--no-progress"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
+
+
+def finish(p: subprocess.Popen) -> str:
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    return out
+
+
+def center(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "center.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_dir):
+    """One uninterrupted run."""
+    tmp = tmp_path_factory.mktemp("ref")
+    out = finish(esbatch("train", str(write_config(tmp, tiny_model_dir, "ref"))))
+    return tmp, tmp / "runs" / "ref", out
+
+
+def test_run_reports_and_logs_to_mlflow(reference):
+    from mlflow.tracking import MlflowClient
+
+    tmp, run_dir, out = reference
+    assert "MLflow run" in out and "mlflow ui --backend-store-uri sqlite:///" in out
+    client = MlflowClient(f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("tests")
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["es.population_size"] == "4" and run.data.params["task.name"] == "toy:DigitTask"
+    assert {"git_commit", "host", "esbatch_version"} <= set(run.data.tags)
+    for key in (
+        "reward/mean",
+        "reward/std",
+        "reward/min",
+        "reward/max",
+        "update/l2",
+        "update/changed_fraction",
+        "update/rel_distance_from_theta0",
+        "time/generation_s",
+        "time/perturb_restore_s",
+        "time/update_s",
+    ):
+        hist = client.get_metric_history(run.info.run_id, key)
+        assert sorted(m.step for m in hist) == list(range(1, UPDATES + 1)), key
+    acc = client.get_metric_history(run.info.run_id, "heldout/accuracy")
+    assert sorted(m.step for m in acc) == [0, 3, 6]
+    arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "log.jsonl", "eval.jsonl"} <= arts
+    # the run really trained: rewards varied and the center moved
+    rel = client.get_metric_history(run.info.run_id, "update/rel_distance_from_theta0")
+    assert max(m.value for m in rel) > 0
+
+
+def test_rerun_without_resume_refuses_to_clobber(reference, tiny_model_dir):
+    tmp, run_dir, _ = reference
+    p = esbatch("train", str(tmp / "ref.yaml"))
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 2 and "--resume" in out
+
+
+@pytest.mark.parametrize("kill_after", [0, 1, 3])
+def test_sigkill_then_resume_gives_bit_identical_center(reference, tmp_path, tiny_model_dir, kill_after):
+    _, ref_dir, _ = reference
+    name = "victim"
+    p = esbatch("train", str(write_config(tmp_path, tiny_model_dir, name)))
+    run_dir = tmp_path / "runs" / name
+    log = run_dir / "log.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        lines = log.read_text().count("\n") if log.exists() else 0
+        started = (run_dir / "run.json").exists()
+        if (kill_after == 0 and started) or (kill_after and lines >= kill_after):
+            break
+        time.sleep(0.02)
+    assert p.poll() is None, "run ended before it could be killed"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    lines = log.read_text().count("\n") if log.exists() else 0
+    assert lines < UPDATES
+    finish(esbatch("train", "--resume", str(run_dir)))
+    ref, got = center(ref_dir), center(run_dir)
+    assert ref.keys() == got.keys()
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert (ref_dir / "log.jsonl").read_text() != ""
+    # the logged rewards and weights are identical too
+    strip = lambda text: [yaml.safe_load(x)["update_weights"] for x in text.splitlines()]  # noqa: E731
+    assert strip(log.read_text()) == strip((ref_dir / "log.jsonl").read_text())
+
+
+def test_resumed_run_is_one_mlflow_run_with_each_step_once(tmp_path, tiny_model_dir):
+    from mlflow.tracking import MlflowClient
+
+    p = esbatch("train", str(write_config(tmp_path, tiny_model_dir, "once")))
+    log = tmp_path / "runs" / "once" / "log.jsonl"
+    while p.poll() is None and not (log.exists() and log.read_text().count("\n") >= 2):
+        time.sleep(0.02)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    finish(esbatch("train", "--resume", str(tmp_path / "runs" / "once")))
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")]
+    assert sorted(steps) == list(range(1, UPDATES + 1))
+    assert run.info.status == "FINISHED"

@@ -1,0 +1,76 @@
+"""Test helpers: a tiny random-init Llama with a character tokenizer, and a toy task whose reward
+varies for random text (so ES updates are non-zero). Nothing is downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from esbatch.tasks.base import Example, Task, disjoint_splits
+from esbatch.tasks.verify import Verdict
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_model(path: str | Path, seed: int = 0) -> Path:
+    """Save a 2-layer Llama (hidden 32) with a character-level tokenizer as an HF directory."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "<s>", "<|im_end|>", "<|im_start|>"]
+    chars = sorted(set(" \n0123456789+-*/=.,:?!()[]{}<>\\_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"))
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tk.decoder = decoders.Fuse()
+    tk.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>"
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(cfg)
+    path = Path(path)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+class DigitTask(Task):
+    """Toy task for tests: 'correct' if the response contains the gold digit, 'wrong' if it has another
+    digit, 'missing' if it has none. Random text scores differently across ES members."""
+
+    family = "math"
+
+    def __init__(self, data_path: str | None = None, *, size: int = 40) -> None:
+        super().__init__(data_path)
+        self.size = size
+
+    def splits(self, n_train, n_heldout, n_demo, seed):
+        def make(n, s):
+            return [Example(f"Say a digit #{s}-{i}", str((s + i) % 10)) for i in range(n)]
+
+        return disjoint_splits(make, n_train or self.size, n_heldout, n_demo, seed)
+
+    def demo_response(self, ex):
+        return ex.answer
+
+    def score(self, response, ex):
+        if ex.answer in response:
+            return Verdict.CORRECT
+        return Verdict.WRONG if any(c.isdigit() for c in response) else Verdict.MISSING

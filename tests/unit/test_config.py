@@ -1,0 +1,107 @@
+"""Config errors name the YAML path, say why, and list valid choices; nothing loads a model."""
+
+import pytest
+import yaml
+
+from esbatch.cli import main
+from esbatch.config import ConfigError, config_from_dict, flatten, load_config, parse_overrides
+
+BASE = {"es": {"updates": 3}}
+
+
+def errors_of(data):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(data)
+    return e.value.errors
+
+
+def test_defaults_and_builtin_quickstart_are_valid():
+    cfg = config_from_dict(BASE)
+    assert cfg.es.normalization == "zscore" and cfg.es.estimator == "one_point"
+    q = load_config("quickstart")
+    assert q.model.name == "smollm2-135m-instruct" and q.task.few_shot == 2
+
+
+@pytest.mark.parametrize(
+    "data, path, words",
+    [
+        ({"es": {"sigma": 0, "updates": 3}}, "es.sigma", "must be > 0"),
+        ({"es": {"sigma": -0.1, "updates": 3}}, "es.sigma", "must be > 0"),
+        ({"es": {"population_size": 1, "updates": 3}}, "es.population_size", "must be >= 2"),
+        ({"es": {"normalization": "zscor", "updates": 3}}, "es.normalization", "Did you mean 'zscore'"),
+        ({"es": {"normalization": "rank", "updates": 3}}, "es.normalization", "Valid: zscore, none, centered_rank"),
+        ({"es": {"sigmaa": 0.1, "updates": 3}}, "es.sigmaa", "unknown key. Did you mean 'sigma'"),
+        ({"es": {"population_size": "eight", "updates": 3}}, "es.population_size", "expected int, got str"),
+        ({"es": {"population_size": 8.5, "updates": 3}}, "es.population_size", "expected int, got float"),
+        ({"es": {"updates": True}}, "es.updates", "expected int, got bool"),
+        ({"generation": {"top_p": 1.5}, **BASE}, "generation.top_p", "must be <= 1.0"),
+        ({"model": {"dtype": "fp8"}, **BASE}, "model.dtype", "Valid: float32, bfloat16, float16"),
+        ({"modle": {}, **BASE}, "modle", "Did you mean 'model'"),
+        ({"es": "fast"}, "es", "expected a mapping"),
+        ({"task": {"name": "gsm8"}, **BASE}, "task.name", "Did you mean 'gsm8k'"),
+        ({"task": {"params": {"max_digit": 3}}, **BASE}, "task.params.max_digit", "Did you mean 'max_digits'"),
+        ({"task": {"params": {"max_digits": "3"}}, **BASE}, "task.params.max_digits", "expected int"),
+        ({"backend": {"name": "vlm"}, **BASE}, "backend.name", "Available: hf"),
+        ({"es": {}}, "es.updates / es.epochs", "exactly one"),
+        ({"es": {"updates": 3, "epochs": 1}}, "es.updates / es.epochs", "exactly one"),
+        ({"es": {"estimator": "antithetic", "population_size": 7, "updates": 3}}, "es.population_size", "even"),
+        ({"es": {"generation_seeds": "antithetic_pairs", "updates": 3}}, "es.generation_seeds", "antithetic"),
+    ],
+)
+def test_bad_values_are_rejected_with_the_key_and_reason(data, path, words):
+    errs = errors_of(data)
+    assert any(e.startswith(path + ":") and words in e for e in errs), errs
+
+
+def test_all_problems_are_reported_at_once():
+    errs = errors_of({"es": {"sigma": 0, "alpha": -1, "normalisation": "zscore", "updates": 3}})
+    assert {e.split(":")[0] for e in errs} == {"es.sigma", "es.alpha", "es.normalisation"}
+
+
+def test_overrides_are_parsed_as_yaml_and_merged(tmp_path):
+    assert parse_overrides(["es.sigma=0.01", "task.params.operators=['+','-']", "run.name=x"]) == {
+        "es": {"sigma": 0.01},
+        "task": {"params": {"operators": ["+", "-"]}},
+        "run": {"name": "x"},
+    }
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"es": {"updates": 2, "sigma": 0.5}}))
+    cfg = load_config(str(f), ["es.sigma=0.02", "es.population_size=4"])
+    assert cfg.es.sigma == 0.02 and cfg.es.population_size == 4 and cfg.es.updates == 2
+    with pytest.raises(ConfigError, match="es.sigmaa: unknown key"):
+        load_config(str(f), ["es.sigmaa=1"])
+    with pytest.raises(ConfigError, match="expected key.sub=value"):
+        parse_overrides(["es.sigma"])
+
+
+def test_unknown_config_name_suggests_builtin():
+    with pytest.raises(ConfigError, match="Did you mean 'quickstart'"):
+        load_config("quikstart")
+
+
+def test_total_updates_from_epochs_uses_keep_tail_batches():
+    cfg = config_from_dict({"es": {"epochs": 2, "batch_size": 4}})
+    assert cfg.total_updates(10) == 6
+
+
+def test_flatten_for_mlflow_params():
+    flat = flatten(config_from_dict(BASE).to_dict())
+    assert flat["es.sigma"] == 1e-3 and flat["model.name"] == "smollm2-135m-instruct"
+
+
+def test_validate_cli_exit_codes(tmp_path, capsys):
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(yaml.safe_dump(BASE))
+    bad.write_text(yaml.safe_dump({"es": {"sigma": -1, "updates": 3}}))
+    assert main(["validate", str(good)]) == 0
+    assert main(["validate", str(good), str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert str(bad) in err and "es.sigma: must be > 0" in err
+    assert main(["validate", "--schema"]) == 0
+    assert "es.population_size" in capsys.readouterr().out
+
+
+def test_train_rejects_bad_config_before_loading_any_model(tmp_path, capsys):
+    assert main(["train", "--set", "es.normalization=zscor", "--set", f"run.output_dir={tmp_path}"]) == 2
+    assert "Did you mean 'zscore'" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing written
