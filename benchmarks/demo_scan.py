@@ -23,9 +23,9 @@ from esbatch.es.checkpoint import RunDir  # noqa: E402
 
 DEFAULT_SETTINGS = [
     "0.01,0.005,independent",
-    "0.003,0.0015,independent",
-    "0.02,0.01,independent",
     "0.01,0.005,population",
+    "0.003,0.0015,independent",
+    "0.01,0.01,independent",
 ]
 
 
@@ -106,7 +106,7 @@ def main() -> None:
     png = plot_runs(
         [Path(args.out) / n for n, _, rc in results if rc == 0],
         Path(args.out) / "demo_scan.png",
-        title="ES on SmolLM2-135M-Instruct, 2-shot 2-digit addition (N=8, B=16, bf16)",
+        title="ES on SmolLM2-135M-Instruct, 2-shot 2-digit addition (N=8, B=16, fp32)",
     )
     print(f"plot: {png}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -45,6 +46,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"on {cfg.task.name} with {cfg.model.name} ({cfg.model.dtype}) -> {run_dir}",
         file=sys.stderr,
     )
+
+    def _terminate(signum: int, frame: object) -> None:  # scancel / kill: mark the MLflow run KILLED, exit
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         s = train(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress)
     except KeyboardInterrupt:
