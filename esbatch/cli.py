@@ -9,6 +9,9 @@ from pathlib import Path
 
 import esbatch
 
+# What a resumed run may change: budgets and bookkeeping, never what the logged updates depend on.
+RESUME_OVERRIDABLE = {"es.updates", "es.epochs", "run.threads", "eval.every", "checkpoint.every", "tracking.log_model"}
+
 
 def _add_set(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -36,7 +39,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.config:
             print("error: give either a CONFIG or --resume RUN_DIR, not both", file=sys.stderr)
             return 2
+        fixed = [o for o in args.overrides if o.partition("=")[0].strip() not in RESUME_OVERRIDABLE]
+        if fixed:
+            print(
+                f"error: --set {fixed[0]}: cannot change this on resume (the logged updates depend on it); "
+                f"start a new run instead. On resume you may set: {', '.join(sorted(RESUME_OVERRIDABLE))}",
+                file=sys.stderr,
+            )
+            return 2
         cfg = load_config(str(rd / "config.yaml"), args.overrides)
+        if args.overrides:
+            (rd / "config.yaml").write_text(cfg.to_yaml())
         run_dir = rd
     else:
         cfg = load_config(args.config, args.overrides)

@@ -110,6 +110,8 @@ def es_step(cfg: TrainConfig, backend: GenerationBackend, probs: Problems, t: in
     }
     return {
         "t": t,
+        "alpha": es.alpha,
+        "n": es.population_size,
         "batch": idx,
         "seeds": [m.seed for m in members],
         "signs": [m.sign for m in members],
@@ -122,10 +124,10 @@ def es_step(cfg: TrainConfig, backend: GenerationBackend, probs: Problems, t: in
     }
 
 
-def replay(backend: GenerationBackend, cfg: TrainConfig, records: list[dict[str, Any]]) -> None:
+def replay(backend: GenerationBackend, records: list[dict[str, Any]]) -> None:
     """Re-apply logged updates to the center: same seeds, same weights, same arithmetic -> same bits."""
     for r in records:
-        backend.update(r["update_seeds"], r["update_weights"], cfg.es.alpha, cfg.es.population_size)
+        backend.update(r["update_seeds"], r["update_weights"], r["alpha"], r["n"])
 
 
 def peak_rss_mb() -> float:
@@ -167,7 +169,7 @@ def train(
     if ckpt is not None:
         state, t_ckpt = ckpt
         backend.load_center(state)
-    replay(backend, cfg, records[t_ckpt:])
+    replay(backend, records[t_ckpt:])
     start = len(records)
 
     # ---- tracking

@@ -148,3 +148,26 @@ def test_resumed_run_is_one_mlflow_run_with_each_step_once(tmp_path, tiny_model_
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")]
     assert sorted(steps) == list(range(1, UPDATES + 1))
     assert run.info.status == "FINISHED"
+
+
+def test_sigterm_marks_the_run_killed_and_resume_may_extend_the_budget(tmp_path, tiny_model_dir):
+    from mlflow.tracking import MlflowClient
+
+    p = esbatch("train", str(write_config(tmp_path, tiny_model_dir, "term")))
+    run_dir = tmp_path / "runs" / "term"
+    log = run_dir / "log.jsonl"
+    while p.poll() is None and not (log.exists() and log.read_text().count("\n") >= 1):
+        time.sleep(0.02)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 130 and f"esbatch train --resume {run_dir}" in out
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert run.info.status == "KILLED"
+    bad = esbatch("train", "--resume", str(run_dir), "--set", "es.sigma=0.5")
+    out, _ = bad.communicate(timeout=120)
+    assert bad.returncode == 2 and "es.sigma=0.5: cannot change this on resume" in out
+    finish(esbatch("train", "--resume", str(run_dir), "--set", f"es.updates={UPDATES + 1}"))
+    assert log.read_text().count("\n") == UPDATES + 1
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert run.info.status == "FINISHED"

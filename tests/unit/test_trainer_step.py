@@ -65,7 +65,7 @@ def test_replay_of_the_log_reproduces_the_center_bit_for_bit(tiny_model_dir, tin
     a, b = tiny_backend_factory(), tiny_backend_factory()
     probs = load_problems(cfg, a)
     recs = [es_step(cfg, a, probs, t) for t in range(2)]
-    replay(b, cfg, recs)
+    replay(b, recs)
     assert all(torch.equal(a.master[n], b.master[n]) for n in a.master)
     assert all(torch.equal(a.params[n], b.params[n]) for n in a.params)
 
