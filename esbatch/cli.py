@@ -120,6 +120,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from esbatch.aggregate.plots import plot_runs
+
+    missing = [d for d in args.run_dirs if not (Path(d) / "config.yaml").exists()]
+    if missing:
+        print(f"error: {missing[0]} is not a run directory (no config.yaml)", file=sys.stderr)
+        return 2
+    print(plot_runs(args.run_dirs, args.output, title=args.title))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="esbatch", description="ES and GRPO post-training for LLM reasoning.")
     p.add_argument("--version", action="version", version=f"esbatch {esbatch.__version__}")
@@ -137,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--schema", action="store_true", help="print every config key with its type, default and help")
     _add_set(v)
     v.set_defaults(func=cmd_validate)
+
+    pl = sub.add_parser("plot", help="plot held-out accuracy and population reward of run directories")
+    pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    pl.add_argument("-o", "--output", default="es-curves.png", help="PNG file to write")
+    pl.add_argument("--title", default="ES training")
+    pl.set_defaults(func=cmd_plot)
 
     ls = sub.add_parser("ls", help="list registered tasks, models, backends and built-in configs")
     ls.set_defaults(func=cmd_ls)

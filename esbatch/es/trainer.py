@@ -65,10 +65,8 @@ def evaluate_heldout(cfg: TrainConfig, backend: GenerationBackend, probs: Proble
 
 def es_step(cfg: TrainConfig, backend: GenerationBackend, probs: Problems, t: int) -> dict[str, Any]:
     """Evaluate the population of update t and apply the update; returns the log record."""
-    es, sampling = (
-        cfg.es,
-        SamplingParams(cfg.generation.temperature, cfg.generation.top_p, cfg.generation.max_new_tokens),
-    )
+    es, gen = cfg.es, cfg.generation
+    sampling = SamplingParams(gen.temperature, gen.top_p, gen.max_new_tokens)
     epoch, idx = batch_indices(cfg.run.seed, t, len(probs.train), es.batch_size)
     prompts = [probs.train_prompts[i] for i in idx]
     members = draw_population(cfg.run.seed, t, es.population_size, es.estimator, es.generation_seeds)

@@ -97,6 +97,16 @@ def test_run_reports_and_logs_to_mlflow(reference):
     assert max(m.value for m in rel) > 0
 
 
+def test_plot_of_run_directories(reference, tmp_path):
+    from esbatch.cli import main
+
+    _, run_dir, _ = reference
+    out = tmp_path / "curves.png"
+    assert main(["plot", str(run_dir), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert main(["plot", str(tmp_path), "-o", str(out)]) == 2
+
+
 def test_rerun_without_resume_refuses_to_clobber(reference, tiny_model_dir):
     tmp, run_dir, _ = reference
     p = esbatch("train", str(tmp / "ref.yaml"))
