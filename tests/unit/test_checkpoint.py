@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from esbatch.es.checkpoint import RunDir
@@ -17,12 +18,8 @@ def test_torn_last_log_line_is_dropped_and_cut_off(tmp_path):
 def test_out_of_order_log_is_refused(tmp_path):
     rd = RunDir(tmp_path)
     rd.append_update({"t": 1})
-    try:
+    with pytest.raises(RuntimeError, match="corrupt"):
         rd.updates()
-    except RuntimeError as e:
-        assert "corrupt" in str(e)
-    else:
-        raise AssertionError("expected RuntimeError")
 
 
 def test_center_checkpoint_roundtrip_is_exact_and_atomic(tmp_path):
