@@ -58,6 +58,7 @@ class ModelConfig:
     )
     gguf_file: str | None = _f(None, "GGUF file name inside `name` (a directory or hub id).")
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) when `name` is a hub id.")
+    device: str = _f("auto", "Where the live weights sit: auto (cuda if available), cpu, cuda, cuda:N.")
     dtype: str = _f(
         "float32",
         "Compute dtype of the live weights. With bfloat16/float16 an fp32 master copy keeps small updates.",
@@ -271,6 +272,9 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
             f"es.population_size: antithetic pairs need an even N (got {es.population_size}); "
             f"use {es.population_size + 1} or estimator: one_point"
         )
+    dev = cfg.model.device
+    if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        errors.append(f"model.device: {dev!r} is not a device. Valid: auto, cpu, cuda, cuda:N")
     if es.generation_seeds == "antithetic_pairs" and es.estimator != "antithetic":
         errors.append(
             "es.generation_seeds: 'antithetic_pairs' needs es.estimator: antithetic "

@@ -104,10 +104,25 @@ def _dequantized_copy(src: ModelSource) -> Path:
     return out
 
 
+def resolve_device(device: str = "auto") -> str:
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"model.device: {device!r} asked for, but torch sees no CUDA device; use auto or cpu")
+    return device
+
+
 def load_model_and_tokenizer(
-    name: str, gguf_file: str | None = None, revision: str | None = None, dtype: str = "float32"
+    name: str,
+    gguf_file: str | None = None,
+    revision: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
 ) -> tuple[Any, Any]:
-    """Load (model, tokenizer) for causal LM generation; the model is in eval mode, on CPU, in ``dtype``."""
+    """Load (model, tokenizer) for causal LM generation: eval mode, no grads, in ``dtype`` on ``device``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -122,6 +137,7 @@ def load_model_and_tokenizer(
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    model.to(resolve_device(device))
     model.eval()
     model.requires_grad_(False)
     return model, tok

@@ -52,7 +52,7 @@ class HFGenerator:
         out: list[Generation] = []
         for i in range(0, len(prompts), self.batch_size):
             chunk = list(prompts[i : i + self.batch_size])
-            enc = self.tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = self.tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(self.model.device)
             seqs = self.model.generate(**enc, generation_config=gcfg)
             for row in seqs[:, enc["input_ids"].shape[1] :].tolist():
                 n = len(row)
@@ -77,7 +77,8 @@ class HFBackend(HFGenerator, GenerationBackend):
     def from_config(cls, cfg: Any) -> HFBackend:
         from esbatch.models import load_model_and_tokenizer
 
-        model, tok = load_model_and_tokenizer(cfg.model.name, cfg.model.gguf_file, cfg.model.revision, cfg.model.dtype)
+        m = cfg.model
+        model, tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, m.dtype, m.device)
         return cls(model, tok, batch_size=cfg.generation.batch_size, track_drift=cfg.tracking.drift)
 
     # ---------------------------------------------------------------- weights

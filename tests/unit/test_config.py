@@ -36,6 +36,7 @@ def test_defaults_and_builtin_quickstart_are_valid():
         ({"es": {"updates": True}}, "es.updates", "expected int, got bool"),
         ({"generation": {"top_p": 1.5}, **BASE}, "generation.top_p", "must be <= 1.0"),
         ({"model": {"dtype": "fp8"}, **BASE}, "model.dtype", "Valid: float32, bfloat16, float16"),
+        ({"model": {"device": "gpu"}, **BASE}, "model.device", "Valid: auto, cpu, cuda, cuda:N"),
         ({"modle": {}, **BASE}, "modle", "Did you mean 'model'"),
         ({"es": "fast"}, "es", "expected a mapping"),
         ({"task": {"name": "gsm8"}, **BASE}, "task.name", "Did you mean 'gsm8k'"),
