@@ -43,7 +43,7 @@ class HFGenerator:
             do_sample=not greedy,
             temperature=None if greedy else sampling.temperature,
             top_p=None if greedy else sampling.top_p,
-            top_k=0,  # no top-k truncation: sampling is temperature + top_p only
+            top_k=None if greedy else 0,  # no top-k truncation: sampling is temperature + top_p only
             max_new_tokens=sampling.max_new_tokens,
             pad_token_id=self.tok.pad_token_id,
             eos_token_id=self.eos_ids,

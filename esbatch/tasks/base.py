@@ -123,7 +123,8 @@ def disjoint_splits(make: Any, n_train: int, n_heldout: int, n_demo: int, seed: 
         kept: list[Example] = []
         attempt = 0
         while len(kept) < n:
-            for ex in make(2 * (n - len(kept)) + 8, seed * 1000 + i * 97 + attempt):
+            # generators seed item k with (seed + k): retries jump far away from every range used so far
+            for ex in make(2 * (n - len(kept)) + 8, seed * 1000 + i * 97 + attempt * 1_000_003):
                 if ex.question not in seen and len(kept) < n:
                     seen.add(ex.question)
                     kept.append(ex)

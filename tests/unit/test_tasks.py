@@ -85,3 +85,10 @@ def test_messages_use_g5_system_prompt_and_few_shot_turns():
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert msgs[-1]["content"] == sp["train"][0].question
     assert task.messages(sp["train"][0], [], "custom")[0]["content"] == "custom"
+
+
+def test_a_small_split_after_a_large_one_is_still_drawn():
+    """reasoning-gym seeds item k with seed + k, so split seed ranges can overlap; retries must escape."""
+    task = TASKS.get("arithmetic")()
+    sp = task.splits(1, 500, 0, seed=12345)
+    assert len(sp["train"]) == 1 and sp["train"][0].question not in {e.question for e in sp["heldout"]}
