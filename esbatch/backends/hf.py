@@ -4,7 +4,7 @@ The center lives in an fp32 master copy (``self.master``). The live parameters a
 ``master.to(compute dtype)`` at the center, so ``restore()`` is an exact copy, and a perturbation is
 computed in fp32 and rounded once. Cost: one fp32 copy of the parameters (4 bytes/param), plus
 another for theta_0 when drift tracking is on. In-place add/subtract would need no copy but does not
-restore exactly (about 1% of fp32 elements off after one cycle, worse in bf16).
+restore exactly (8% of SmolLM2 fp32 elements off after one cycle at sigma=0.01, measured).
 """
 
 from __future__ import annotations
