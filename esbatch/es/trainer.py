@@ -209,12 +209,16 @@ def train(
             tracker.log_metrics({**m, "memory/peak_rss_mb": peak_rss_mb()}, step=t + 1)
             if (t + 1) % cfg.checkpoint.every == 0 or t + 1 == total:
                 rd.save_center(backend.center_state_dict(), t + 1)
+                t_ckpt = t + 1
             last_eval = maybe_eval(t + 1, force=(t + 1 == total)) or last_eval
             post = {"reward": f"{m['reward/mean']:.3f}", "s/upd": f"{m['time/total_s']:.1f}"}
             if last_eval:
                 post["heldout"] = f"{last_eval['heldout/accuracy']:.3f}"
             bar.set_postfix(post)
             bar.update(1)
+        if t_ckpt != total:  # died after the last update was logged, before its checkpoint
+            rd.save_center(backend.center_state_dict(), total)
+        maybe_eval(total, force=True)  # no-op unless the final evaluation was lost the same way
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"

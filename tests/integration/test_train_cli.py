@@ -181,3 +181,22 @@ def test_sigterm_marks_the_run_killed_and_resume_may_extend_the_budget(tmp_path,
     assert log.read_text().count("\n") == UPDATES + 1
     (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     assert run.info.status == "FINISHED"
+
+
+def test_resume_after_the_last_update_restores_the_final_checkpoint_and_eval(reference, tmp_path):
+    """Killed after the last update was logged but before its checkpoint and final evaluation."""
+    import shutil
+
+    tmp, ref_dir, _ = reference
+    shutil.copytree(tmp / "runs", tmp_path / "runs")
+    run_dir = tmp_path / "runs" / "ref"
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    cfg["run"]["output_dir"] = str(tmp_path / "runs")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (run_dir / "center.safetensors").unlink()
+    evals = (run_dir / "eval.jsonl").read_text().splitlines()
+    (run_dir / "eval.jsonl").write_text("\n".join(evals[:-1]) + "\n")
+    finish(esbatch("train", "--resume", str(run_dir)))
+    ref, got = center(ref_dir), center(run_dir)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert (run_dir / "eval.jsonl").read_text().splitlines()[-1] == evals[-1]
