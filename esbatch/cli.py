@@ -1,4 +1,4 @@
-"""The `esbatch` command line: train, validate, ls (sweep, eval and friends arrive with their issues)."""
+"""The `esbatch` command line: train, validate, ls, plot (sweep and eval arrive with their issues)."""
 
 from __future__ import annotations
 
