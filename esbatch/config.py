@@ -396,5 +396,5 @@ def describe(cls: type = TrainConfig, prefix: str = "") -> list[tuple[str, str, 
         help_ = f.metadata.get("help", "")
         if "choices" in f.metadata:
             help_ += f" Choices: {', '.join(f.metadata['choices'])}."
-        rows.append((key, str(tp).replace("typing.", ""), default, help_))
+        rows.append((key, tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", ""), default, help_))
     return rows
