@@ -72,7 +72,7 @@ class ArithmeticTask(_GymTask):
 
 
 class ChainSumTask(ArithmeticTask):
-    """Sums and differences of several numbers (reasoning-gym chain_sum style), answer in \\boxed{}."""
+    """Sums and differences of 3-4 numbers (reasoning-gym basic_arithmetic with + and -), answer in \\boxed{}."""
 
     def __init__(
         self,
