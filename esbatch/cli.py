@@ -1,4 +1,4 @@
-"""The `esbatch` command line: train, validate, ls, plot (sweep and eval arrive with their issues)."""
+"""The `esbatch` command line: train, sweep, status, aggregate, validate, ls, plot."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ import sys
 from pathlib import Path
 
 import esbatch
-
-# What a resumed run may change: budgets and bookkeeping, never what the logged updates depend on.
-RESUME_OVERRIDABLE = {"es.updates", "es.epochs", "run.threads", "eval.every", "checkpoint.every", "tracking.log_model"}
+from esbatch.config import RESUME_OVERRIDABLE
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
@@ -131,6 +129,54 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from esbatch.launch.submit import submit_sweep
+    from esbatch.launch.sweep import load_sweep
+
+    sweep = load_sweep(args.sweep, launcher=args.launcher, overrides=args.overrides)  # validates everything first
+    return submit_sweep(sweep, dry_run=args.dry_run, wait=args.wait)
+
+
+def _sweep_dir(arg: str) -> Path:
+    """A sweep folder, or a sweep file / name whose folder is looked up."""
+    p = Path(arg)
+    if (p / "sweep.json").exists():
+        return p
+    from esbatch.launch.sweep import load_sweep
+
+    return load_sweep(arg).dir
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from esbatch.launch.state import SweepDir
+    from esbatch.launch.submit import follow, format_table, run_states
+
+    sd = SweepDir(_sweep_dir(args.sweep))
+    if not sd.exists():
+        print(
+            f"error: {sd.path}: nothing submitted yet (no sweep.json). Submit with: esbatch sweep {args.sweep}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.follow:
+        follow(sd)
+    meta = sd.read()
+    print(f"sweep {meta['name']} ({meta['launcher']}, {meta['cluster']}) in {sd.path}")
+    print(format_table(run_states(sd)))
+    return 0
+
+
+def cmd_aggregate(args: argparse.Namespace) -> int:
+    from esbatch.aggregate.collect import aggregate
+
+    out = aggregate(_sweep_dir(args.sweep))
+    print(f"results: {out}")
+    for f in sorted(out.glob("*.md")):
+        if f.name != "README.md":
+            print(f"\n## {f.stem}\n{f.read_text()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="esbatch", description="ES and GRPO post-training for LLM reasoning.")
     p.add_argument("--version", action="version", version=f"esbatch {esbatch.__version__}")
@@ -142,6 +188,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bar (for batch logs)")
     _add_set(t)
     t.set_defaults(func=cmd_train)
+
+    sw = sub.add_parser("sweep", help="run a sweep file as one SLURM array job (default: the CPU quickstart sweep)")
+    sw.add_argument("sweep", nargs="?", help="sweep YAML file or name in sweeps/ (default: quickstart)")
+    sw.add_argument("--launcher", help="launcher profile (launchers/NAME.yaml) instead of the sweep's")
+    sw.add_argument("--dry-run", action="store_true", help="print the runs and the sbatch script; submit nothing")
+    sw.add_argument("--wait", action="store_true", help="follow the submitted jobs with a live progress display")
+    _add_set(sw)
+    sw.set_defaults(func=cmd_sweep)
+
+    st = sub.add_parser("status", help="each run of a sweep: state, progress, last reward")
+    st.add_argument("sweep", help="sweep folder, file or name")
+    st.add_argument("--follow", action="store_true", help="live progress until nothing is queued or running")
+    st.set_defaults(func=cmd_status)
+
+    ag = sub.add_parser("aggregate", help="tables and plots of a sweep, from MLflow, into <sweep>/results")
+    ag.add_argument("sweep", help="sweep folder, file or name")
+    ag.set_defaults(func=cmd_aggregate)
 
     v = sub.add_parser("validate", help="check config files without loading any model")
     v.add_argument("files", nargs="*", help="YAML files or built-in config names")

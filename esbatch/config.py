@@ -21,6 +21,9 @@ from esbatch.registry import did_you_mean
 
 BUILTIN_CONFIG_DIR = Path(__file__).parent / "configs"
 
+# What a resumed run may change: budgets and bookkeeping, never what the logged updates depend on.
+RESUME_OVERRIDABLE = {"es.updates", "es.epochs", "run.threads", "eval.every", "checkpoint.every", "tracking.log_model"}
+
 
 class ConfigError(ValueError):
     """One or more invalid config entries; ``errors`` holds one line per problem."""
@@ -205,9 +208,12 @@ def _coerce(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
     elif tp is dict or origin is dict:
         if isinstance(value, dict):
             return value
+    elif tp is list or origin is list:
+        if isinstance(value, list):
+            return value
     else:  # pragma: no cover - a schema bug, not a user error
         raise TypeError(f"unsupported config type {tp} at {path}")
-    want = "mapping" if (tp is dict or origin is dict) else _type_name(tp)
+    want = "mapping" if (tp is dict or origin is dict) else "list" if (tp is list or origin is list) else _type_name(tp)
     if value is None:
         errors.append(f"{path}: must be set (expected {want}, got null)")
     else:
@@ -253,6 +259,11 @@ def _build(cls: type, data: dict[str, Any], prefix: str, errors: list[str]) -> A
     except TypeError as e:  # pragma: no cover
         errors.append(f"{prefix}: {e}")
         return cls()
+
+
+def build_dataclass(cls: type, data: dict[str, Any], prefix: str, errors: list[str]) -> Any:
+    """Validate ``data`` against any dataclass declared with ``_f`` fields (used for launcher profiles too)."""
+    return _build(cls, data, prefix, errors)
 
 
 def _optional(tp: Any) -> bool:

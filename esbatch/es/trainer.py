@@ -133,9 +133,19 @@ def peak_rss_mb() -> float:
 
 
 def train(
-    cfg: TrainConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True, tracker: Any | None = None
+    cfg: TrainConfig,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    tracker: Any | None = None,
+    run_name: str | None = None,
+    tags: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Run (or resume) ES training into ``run_dir``; returns a summary dict."""
+    """Run (or resume) ES training into ``run_dir``; returns a summary dict.
+
+    ``run_name`` and ``tags`` go to the MLflow run (a sweep passes its label, parent run and SLURM ids).
+    """
     import torch
     from tqdm.auto import tqdm
 
@@ -173,9 +183,9 @@ def train(
     # ---- tracking
     meta = rd.read_meta()
     run_id = tracker.start(
-        cfg.run.name,
+        run_name or cfg.run.name,
         flatten(cfg.to_dict()),
-        {**run_tags(), "algorithm": "es"},
+        {**run_tags(), "algorithm": "es", **(tags or {})},
         run_id=meta.get("mlflow_run_id") if resume else None,
     )
     rd.write_meta(mlflow_run_id=run_id, tracking_uri=uri, total_updates=total, status="running")
@@ -220,7 +230,7 @@ def train(
             rd.save_center(backend.center_state_dict(), total)
         maybe_eval(total, force=True)  # no-op unless the final evaluation was lost the same way
         status = "FINISHED"
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, or submitit's exit after a requeue
         status = "KILLED"
         raise
     finally:

@@ -81,22 +81,29 @@ class MLflowTracker:
 
     def start(self, run_name: str, params: dict[str, Any], tags: dict[str, str], run_id: str | None = None) -> str:
         """Create the run (or reopen ``run_id`` on resume) and log params once."""
-        if run_id is not None:
-            self.run_id = run_id
-            self.client.update_run(run_id, status="RUNNING")
-            return run_id
-        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
-        self.run_id = run.info.run_id
-        from mlflow.entities import Param
+        from mlflow.entities import Param, RunTag
 
-        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
-        for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i : i + 100])
+        with self._lock():
+            if run_id is not None:
+                self.run_id = run_id
+                self.client.update_run(run_id, status="RUNNING")
+                self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+                return run_id
+            run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
+            self.run_id = run.info.run_id
+            items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+            for i in range(0, len(items), 100):
+                self.client.log_batch(self.run_id, params=items[i : i + 100])
         return self.run_id
+
+    def _lock(self) -> contextlib.AbstractContextManager[None]:
+        """Writers to one sqlite file take turns (many array tasks may log at once); servers need no lock."""
+        return _sqlite_lock(self.uri)
 
     def last_step(self, key: str) -> int:
         """Largest step logged for ``key`` (-1 if none): lets a resumed run log each step exactly once."""
-        hist = self.client.get_metric_history(self.run_id, key)
+        with self._lock():
+            hist = self.client.get_metric_history(self.run_id, key)
         return max((m.step for m in hist), default=-1)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -106,14 +113,18 @@ class MLflowTracker:
 
         now = int(time.time() * 1000)
         ms = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
-        self.client.log_batch(self.run_id, metrics=ms)
+        with self._lock():
+            self.client.log_batch(self.run_id, metrics=ms)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path)
+        with self._lock():
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
 
     def log_artifacts(self, path: str | Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifacts(self.run_id, str(path), artifact_path)
+        with self._lock():
+            self.client.log_artifacts(self.run_id, str(path), artifact_path)
 
     def end(self, status: str = "FINISHED") -> None:
         if self.run_id:
-            self.client.set_terminated(self.run_id, status=status)
+            with self._lock():
+                self.client.set_terminated(self.run_id, status=status)

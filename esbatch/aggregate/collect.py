@@ -1,0 +1,110 @@
+"""`esbatch aggregate SWEEP`: read the sweep's runs back from MLflow, write tables and plots.
+
+Offline run stores are merged first. Every planned run appears in the result, with its status: a run
+that never reached MLflow is reported from its folder (or as missing), never silently dropped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from esbatch.aggregate.results import RunResult
+from esbatch.launch.state import SweepDir
+
+STATUS = {"FINISHED": "finished", "RUNNING": "running", "FAILED": "failed", "KILLED": "killed", "SCHEDULED": "pending"}
+
+
+def _typed(v: str) -> Any:
+    try:
+        return yaml.safe_load(v)
+    except yaml.YAMLError:
+        return v
+
+
+def merge_offline(sd: SweepDir) -> int:
+    """Merge each run folder's private store into the sweep's store; returns how many runs were merged."""
+    from esbatch.tracking import MLflowTracker
+    from esbatch.tracking.merge import merge_run
+
+    meta = sd.read()
+    dst = MLflowTracker(meta["tracking_uri"], meta["experiment"], sd.path / "mlartifacts")
+    n = 0
+    for r in meta.get("runs", []):
+        rd = sd.run_dir(r["key"])
+        run_meta = rd.read_meta() if rd.meta.exists() else {}
+        if (rd.path / "mlflow.db").exists() and run_meta.get("mlflow_run_id"):
+            merge_run(
+                run_meta["tracking_uri"],
+                run_meta["mlflow_run_id"],
+                meta["tracking_uri"],
+                dst.experiment_id,
+                meta.get("parent_run_id"),
+                meta["name"],
+                r["key"],
+            )
+            n += 1
+    return n
+
+
+def collect(sd: SweepDir, metrics: tuple[str, ...] = ("reward/mean", "heldout/accuracy")) -> list[RunResult]:
+    """One RunResult per planned run, params and histories read from MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    from esbatch.config import flatten
+    from esbatch.launch.submit import run_states
+    from esbatch.tracking.merge import find_child
+
+    meta = sd.read()
+    client = MlflowClient(tracking_uri=meta["tracking_uri"])
+    exp = client.get_experiment_by_name(meta["experiment"])
+    states = {s.key: s for s in run_states(sd)}
+    out = []
+    for r in meta.get("runs", []):
+        key = r["key"]
+        plan = yaml.safe_load(sd.plan_path(key).read_text())
+        child = find_child(client, exp.experiment_id, meta["name"], key) if exp else None
+        st = states.get(key)
+        if child is None:
+            status = st.state if st and st.state != "pending" else "missing"
+            out.append(RunResult(key, r["label"], status, flatten(plan), (st.total if st else None) or 0, {}))
+            continue
+        params = {k: _typed(v) for k, v in child.data.params.items()}
+        history = {}
+        for m in metrics:
+            hist = client.get_metric_history(child.info.run_id, m)
+            if hist:
+                history[m] = sorted({h.step: h.value for h in hist}.items())
+        status = STATUS.get(child.info.status, child.info.status.lower())
+        if status == "running" and st is not None and st.state not in ("running", "queued"):
+            status = st.state  # the job is gone but never closed its run (killed hard, node failure)
+        total = (st.total if st else None) or int(params.get("es.updates") or 0)
+        out.append(RunResult(key, r["label"], status, params, total, history))
+    return out
+
+
+def aggregate(sweep_dir: str | Path) -> Path:
+    """Merge, collect, write ``results/`` and log it to the parent run; returns the results folder."""
+    from mlflow.tracking import MlflowClient
+
+    from esbatch.aggregate.report import default_analyses, parse_analyses, write_report
+    from esbatch.tracking.mlflow_tracker import _sqlite_lock
+
+    sd = SweepDir(sweep_dir)
+    if not sd.exists():
+        raise FileNotFoundError(f"{sd.path}: not a sweep folder (no sweep.json); submit it with `esbatch sweep FILE`")
+    meta = sd.read()
+    if meta.get("tracking") == "offline":
+        merge_offline(sd)
+    runs = collect(sd)
+    analyses = parse_analyses(meta["aggregate"]) if meta.get("aggregate") else default_analyses(runs)
+    write_report(runs, analyses, sd.results, title=f"sweep {meta['name']}")
+    if meta.get("parent_run_id"):
+        with _sqlite_lock(meta["tracking_uri"]):
+            client = MlflowClient(tracking_uri=meta["tracking_uri"])
+            client.log_artifacts(meta["parent_run_id"], str(sd.results), "results")
+            if all(r.status == "finished" for r in runs):
+                client.set_terminated(meta["parent_run_id"], status="FINISHED")
+    return sd.results

@@ -1,0 +1,981 @@
+"""Sweep reports: the analyses of a sweep YAML's ``aggregate:`` list, written as CSV, Markdown and PNG.
+
+Three kinds of analysis, each one function (``write_scaling``, ``write_curves``, ``write_final``):
+
+* ``scaling`` - paper Table 6: a rows x cols grid of the smoothed metric at update T, with each
+  column's gap to a reference column and the cells within ``tolerance`` of it marked;
+* ``curves`` - paper Appendix F: smoothed metric vs update, one line per ``hue`` value, one panel per
+  ``panels`` value, shaded by the local spread of the raw-minus-smoothed residuals;
+* ``final`` - the smoothed metric at T (and held-out accuracy) of every run, grouped by ``by``.
+
+Runs that did not produce a value (missing, pending, failed, killed, still running, metric never
+logged, stopped before T) are never dropped silently: their cells say why, and the index file
+``README.md`` lists every such run with its status.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from esbatch.aggregate.results import RunResult
+from esbatch.aggregate.smoothing import debiased_ema, local_std
+from esbatch.config import ConfigError
+from esbatch.registry import did_you_mean
+
+HELDOUT = "heldout/accuracy"
+SEED_KEYS = ("run.seed",)
+# Parameters that differ between runs without changing what is measured: not grouping axes.
+BOOKKEEPING_KEYS = ("run.name", "run.output_dir", "run.threads", "model.device", "generation.batch_size")
+BOOKKEEPING_PREFIXES = ("tracking.", "checkpoint.")
+INDEX_FILE = "README.md"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+# ============================================================================ field checks
+
+
+class _Bad(ValueError):
+    """A field value that fails its check; the message says why."""
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_scalar(v: Any) -> bool:
+    return isinstance(v, (str, int, float, bool))
+
+
+def _check(expects: str) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
+    """Attach the human description of valid values (used in error lines) to a checker."""
+
+    def deco(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        fn.expects = expects  # type: ignore[attr-defined]
+        return fn
+
+    return deco
+
+
+@_check("a non-empty string")
+def _str(v: Any) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise _Bad(f"got {type(v).__name__} {v!r}")
+    return v
+
+
+@_check("a parameter name (dotted config key) or null")
+def _opt_key(v: Any) -> str | None:
+    return None if v is None else _str(v)
+
+
+@_check("a parameter name (dotted config key)")
+def _key(v: Any) -> str:
+    if v is None:
+        raise _Bad("must be set")
+    return _str(v)
+
+
+@_check("a filename-safe name: letters, digits, '_', '-', '.', starting with a letter or digit, at most 100 chars")
+def _name(v: Any) -> str:
+    if not isinstance(v, str) or not _NAME_RE.match(v):
+        raise _Bad(f"got {v!r}")
+    if v.lower() in ("readme", "readme.md"):
+        raise _Bad(f"{v!r} is reserved for the report index {INDEX_FILE}")
+    return v
+
+
+@_check("a number with 0 <= weight < 1 (0 = no smoothing)")
+def _weight(v: Any) -> float:
+    if not _is_num(v) or not 0 <= v < 1:
+        raise _Bad(f"got {v!r}")
+    return float(v)
+
+
+@_check("a number >= 0")
+def _nonneg(v: Any) -> float:
+    if not _is_num(v) or not v >= 0:
+        raise _Bad(f"got {v!r}")
+    return float(v)
+
+
+@_check("an update count (integer >= 0) or null for each run's budget")
+def _opt_update(v: Any) -> int | None:
+    if v is None:
+        return None
+    if not _is_num(v) or int(v) != v or v < 0:
+        raise _Bad(f"got {v!r}")
+    return int(v)
+
+
+@_check("an integer >= 2 (points in the rolling window)")
+def _window(v: Any) -> int:
+    if not _is_num(v) or int(v) != v or v < 2:
+        raise _Bad(f"got {v!r}")
+    return int(v)
+
+
+@_check("a value of `cols` (string, number or bool) or null for the last column")
+def _opt_scalar(v: Any) -> Any:
+    if v is not None and not _is_scalar(v):
+        raise _Bad(f"got {type(v).__name__} {v!r}")
+    return v
+
+
+@_check("a parameter name or a list of them")
+def _key_list(v: Any) -> list[str]:
+    if v is None:
+        return []
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(k, str) and k.strip() for k in items):
+        raise _Bad(f"got {v!r}")
+    return list(items)
+
+
+@_check("a metric name or a list of them")
+def _metric_list(v: Any) -> list[str]:
+    return _key_list(v)
+
+
+@_check("a mapping {parameter: value or [values]} keeping only the runs that match")
+def _select(v: Any) -> dict[str, list[Any]]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise _Bad(f"got {type(v).__name__} {v!r}")
+    out: dict[str, list[Any]] = {}
+    for k, vals in v.items():
+        vals = vals if isinstance(vals, list) else [vals]
+        if not isinstance(k, str) or not vals or not all(x is None or _is_scalar(x) for x in vals):
+            raise _Bad(f"bad entry {k!r}: {vals!r}")
+        out[k] = vals
+    return out
+
+
+def _f(default: Any, check: Callable[[Any], Any], help: str) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"check": check, "help": help})
+    return field(default=default, metadata={"check": check, "help": help})
+
+
+_REQUIRED = dataclasses.MISSING
+
+
+# ============================================================================ analysis specs
+
+
+@dataclass(kw_only=True)
+class Analysis:
+    """Fields every analysis has. ``path`` is where it came from in the YAML (for error lines)."""
+
+    kind: ClassVar[str] = ""
+    name: str = _f(_REQUIRED, _name, "output file stem: <name>.csv/.md(/.png)")
+    metric: str = _f("reward/mean", _str, "history metric to analyse")
+    smoothing: float = _f(0.99, _weight, "debiased EMA weight")
+    select: dict[str, list[Any]] = _f({}, _select, "keep only runs whose params match")
+    path: str = field(default="", compare=False, repr=False)
+
+    def param_fields(self) -> dict[str, str]:
+        """Field name -> run parameter key, for every field that names a parameter."""
+        out = {f"select.{k}": k for k in self.select}
+        for f in dataclasses.fields(self):
+            if f.metadata.get("check") in (_key, _opt_key) and getattr(self, f.name):
+                out[f.name] = getattr(self, f.name)
+            elif f.metadata.get("check") is _key_list:
+                out.update({f"{f.name}[{i}]": k for i, k in enumerate(getattr(self, f.name))})
+        return out
+
+
+@dataclass(kw_only=True)
+class ScalingAnalysis(Analysis):
+    """Paper Table 6: smoothed metric at update ``at`` for rows x cols, gap of each column to ``reference``."""
+
+    kind: ClassVar[str] = "scaling"
+    cols: str = _f(_REQUIRED, _key, "parameter whose values are the columns (e.g. es.population_size)")
+    rows: str | None = _f(None, _opt_key, "parameter whose values are the rows (null = one row)")
+    reference: Any = _f(None, _opt_scalar, "column value the gaps are taken to (null = last column)")
+    at: int | None = _f(None, _opt_update, "update to read the smoothed value at (null = each run's budget)")
+    tolerance: float = _f(0.01, _nonneg, "cells with |gap| <= tolerance are marked")
+
+
+@dataclass(kw_only=True)
+class CurvesAnalysis(Analysis):
+    """Paper Appendix F: smoothed metric vs update, one line per ``hue`` value, one panel per ``panels`` value."""
+
+    kind: ClassVar[str] = "curves"
+    panels: str | None = _f(None, _opt_key, "parameter with one subplot per value (null = one panel)")
+    hue: str | None = _f(None, _opt_key, "parameter with one line per value (null = one line)")
+    band_window: int = _f(21, _window, "points in the local-std window of the shaded band")
+
+
+@dataclass(kw_only=True)
+class FinalAnalysis(Analysis):
+    """Every run's smoothed metric at update ``at`` and its other metrics there, grouped by ``by``."""
+
+    kind: ClassVar[str] = "final"
+    by: list[str] = _f([], _key_list, "parameters to group (and sort) the runs by")
+    at: int | None = _f(None, _opt_update, "update to read values at (null = each run's budget)")
+    also: list[str] = _f([HELDOUT], _metric_list, "further metrics, raw, at the last logged step <= at")
+
+
+KINDS: dict[str, type[Analysis]] = {c.kind: c for c in (ScalingAnalysis, CurvesAnalysis, FinalAnalysis)}
+
+
+def _spec_fields(cls: type[Analysis]) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if "check" in f.metadata}
+
+
+def parse_analyses(
+    raw: list | None, where: str = "aggregate", *, runs: Sequence[RunResult] | None = None
+) -> list[Analysis]:
+    """Validate the sweep YAML's ``aggregate:`` list into analysis specs, reporting every problem at once.
+
+    ``raw=None`` (no ``aggregate:`` key) gives ``default_analyses(runs)``, or ``[]`` without runs.
+    With ``runs``, the parameter names used (``rows``, ``hue``, ``by``, ``select``...) and the scaling
+    ``reference`` are checked against the runs' params too, so a typo fails before anything is written.
+    Raises ``ConfigError`` with one line per problem, naming its YAML path and listing what is valid.
+    """
+    if raw is None:
+        return default_analyses(list(runs)) if runs is not None else []
+    if not isinstance(raw, list):
+        raise ConfigError([f"{where}: expected a list of analyses (each a mapping with a `kind`), got {raw!r}"])
+    errors: list[str] = []
+    out: list[Analysis] = []
+    seen: dict[str, str] = {}
+    kinds = sorted(KINDS)
+    for i, entry in enumerate(raw):
+        path = f"{where}[{i}]"
+        if not isinstance(entry, dict):
+            errors.append(f"{path}: expected a mapping with a `kind` ({', '.join(kinds)}), got {entry!r}")
+            continue
+        kind = entry.get("kind")
+        if kind not in KINDS:
+            why = "missing" if kind is None else f"unknown analysis kind {kind!r}.{did_you_mean(str(kind), kinds)}"
+            errors.append(f"{path}.kind: {why} Valid kinds: {', '.join(kinds)}")
+            continue
+        cls = KINDS[kind]
+        fields = _spec_fields(cls)
+        valid = ", ".join(["kind", *sorted(fields)])
+        values: dict[str, Any] = {}
+        n_before = len(errors)
+        for key, value in entry.items():
+            if key == "kind":
+                continue
+            if key not in fields:
+                errors.append(
+                    f"{path}.{key}: unknown key for kind '{kind}'.{did_you_mean(str(key), list(fields))} "
+                    f"Valid keys: {valid}"
+                )
+                continue
+            check = fields[key].metadata["check"]
+            try:
+                values[key] = check(value)
+            except _Bad as e:
+                errors.append(f"{path}.{key}: {e}; expected {check.expects}")
+        if "name" not in entry:
+            values["name"] = f"{kind}_{i}"  # default file stem: the kind and the list position
+        for key, f in fields.items():
+            if key not in entry and key not in values and f.default is _REQUIRED and f.default_factory is _REQUIRED:
+                errors.append(f"{path}.{key}: missing; expected {f.metadata['check'].expects}")
+        name = values.get("name")
+        if name is not None and name.lower() in seen:
+            errors.append(
+                f"{path}.name: {name!r} is already used by {seen[name.lower()]}; names must be unique "
+                "(case-insensitively: they name the output files)"
+            )
+        elif name is not None:
+            seen[name.lower()] = path
+        if len(errors) > n_before:
+            continue
+        analysis = cls(**values, path=path)
+        if runs is not None:
+            errors.extend(_param_errors(analysis, runs))
+        out.append(analysis)
+    if errors:
+        raise ConfigError(errors)
+    return out
+
+
+def _param_errors(a: Analysis, runs: Sequence[RunResult]) -> list[str]:
+    """Problems with the parameter names and reference value of ``a`` given the actual runs."""
+    if not runs:
+        return []
+    known = sorted({k for r in runs for k in r.params})
+    varying = varying_params(runs)
+    hint = f"Parameters that vary between runs: {', '.join(varying) or 'none'}"
+    path = a.path or a.name
+    errors = []
+    for fname, key in a.param_fields().items():
+        if key not in known:
+            errors.append(f"{path}.{fname}: unknown parameter {key!r}.{did_you_mean(key, known)} {hint}")
+    if isinstance(a, ScalingAnalysis) and a.reference is not None and a.cols in known:
+        values = _ordered(_param(r, a.cols) for r in runs)
+        if a.reference not in values:
+            shown = ", ".join(_fmt_param(v) for v in values)
+            errors.append(f"{path}.reference: {a.reference!r} is not a value of {a.cols}; its values: {shown}")
+    return errors
+
+
+def varying_params(runs: Sequence[RunResult]) -> list[str]:
+    """Parameters whose value differs between runs (bookkeeping keys such as run.name excluded), in param order."""
+    keys: list[str] = []
+    for r in runs:
+        keys.extend(k for k in r.params if k not in keys)
+    return [k for k in keys if not _is_bookkeeping(k) and len(_ordered(_param(r, k) for r in runs)) > 1]
+
+
+def default_analyses(runs: Sequence[RunResult]) -> list[Analysis]:
+    """What a sweep without an ``aggregate:`` list gets: every run's final values grouped by all
+    varying params, and reward curves coloured by the first varying param (seeds are averaged, so a
+    non-seed param is preferred) with one panel per value of the second one."""
+    varying = varying_params(runs)
+    axes = [k for k in varying if k not in SEED_KEYS] or varying
+    hue = axes[0] if axes else None
+    panels = axes[1] if len(axes) > 1 and axes[1] not in SEED_KEYS else None
+    return [
+        FinalAnalysis(name="final_table", by=varying, path="default"),
+        CurvesAnalysis(name="reward_curves", metric="reward/mean", hue=hue, panels=panels, path="default"),
+    ]
+
+
+# ============================================================================ run data helpers
+
+
+def _is_bookkeeping(key: str) -> bool:
+    return key in BOOKKEEPING_KEYS or key.startswith(BOOKKEEPING_PREFIXES)
+
+
+def _param(run: RunResult, key: str | None) -> Any:
+    return None if key is None else run.params.get(key)
+
+
+def _ordered(values: Iterable[Any]) -> list[Any]:
+    """Distinct values, numerically sorted when all are numbers, else in order of first appearance."""
+    out: list[Any] = []
+    for v in values:
+        if not any(_same(v, u) for u in out):
+            out.append(v)
+    return sorted(out) if out and all(_is_num(v) for v in out) else out
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a == b and (type(a) is type(b) or (_is_num(a) and _is_num(b)))
+
+
+def _fmt_param(v: Any) -> str:
+    if v is None:
+        return "(unset)"
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def _short(key: str | None) -> str:
+    return key.rsplit(".", 1)[-1] if key else ""
+
+
+def _points(run: RunResult, metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """Finite (step, value) points of ``metric``, sorted by step."""
+    pts = sorted((int(s), float(v)) for s, v in run.history.get(metric, []) if v is not None and math.isfinite(v))
+    steps = np.array([s for s, _ in pts], dtype=np.int64)
+    return steps, np.array([v for _, v in pts], dtype=np.float64)
+
+
+def _budget(run: RunResult, at: int | None) -> int:
+    """The update a value is read at: ``at`` or the run's planned budget."""
+    return at if at is not None else int(run.total_updates)
+
+
+def _reason(run: RunResult, metric: str, t: int) -> str | None:
+    """Why ``run`` has no value of ``metric`` at update ``t`` (None when it has one)."""
+    steps, _ = _points(run, metric)
+    if not len(steps):
+        return run.status if run.status in ("missing", "pending") else f"{run.status}, no {metric}"
+    if steps[-1] < t:
+        prefix = "" if run.status in ("finished", "running") else f"{run.status} "
+        return f"{prefix}at {steps[-1]}/{t}"
+    if steps[0] > t:
+        return f"no {metric} at or before update {t}"
+    return None
+
+
+def smoothed_at(run: RunResult, metric: str, at: int | None, weight: float) -> tuple[float | None, str | None]:
+    """(debiased-EMA value of ``metric`` at the largest logged step <= T, None) or (None, why not).
+
+    T is ``at`` or the run's budget. A run whose last step is before T has not reached it and gets
+    no value: reading it earlier would compare runs at different points of training.
+    """
+    t = _budget(run, at)
+    why = _reason(run, metric, t)
+    if why is not None:
+        return None, why
+    steps, values = _points(run, metric)
+    idx = int(np.searchsorted(steps, t, side="right")) - 1
+    return float(debiased_ema(values, weight)[idx]), None
+
+
+def _raw_at(run: RunResult, metric: str, t: int) -> tuple[float | None, int | None]:
+    """Last raw value of ``metric`` at a step <= t and its step (evaluations are sparse: no smoothing)."""
+    steps, values = _points(run, metric)
+    idx = int(np.searchsorted(steps, t, side="right")) - 1
+    return (float(values[idx]), int(steps[idx])) if idx >= 0 else (None, None)
+
+
+def _progress(run: RunResult, metric: str = "reward/mean") -> str:
+    steps, _ = _points(run, metric)
+    return f"{steps[-1] if len(steps) else 0}/{run.total_updates}"
+
+
+def _selected(runs: Sequence[RunResult], a: Analysis) -> list[RunResult]:
+    return [r for r in runs if all(any(_same(_param(r, k), v) for v in vals) for k, vals in a.select.items())]
+
+
+def _pooled_keys(groups: Iterable[Sequence[RunResult]], used: Iterable[str | None]) -> list[str]:
+    """Non-seed params that differ inside a group: averaging those runs would mix settings."""
+    skip = {k for k in used if k} | set(SEED_KEYS)
+    out: list[str] = []
+    for g in groups:
+        out.extend(k for k in varying_params(g) if k not in skip and k not in out)
+    return out
+
+
+# ============================================================================ output helpers
+
+
+def _md_escape(s: Any) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def _md_table(header: Sequence[str], rows: Sequence[Sequence[Any]], right: Iterable[int] = ()) -> str:
+    right = set(right)
+    lines = ["| " + " | ".join(_md_escape(h) for h in header) + " |"]
+    lines.append("|" + "|".join("---:" if i in right else "---" for i in range(len(header))) + "|")
+    lines.extend("| " + " | ".join(_md_escape(c) for c in row) + " |" for row in rows)
+    return "\n".join(lines)
+
+
+def _csv_cell(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (float, np.floating)):
+        return repr(float(v)) if math.isfinite(v) else ""
+    if isinstance(v, np.integer):
+        return str(int(v))
+    return str(v)
+
+
+def _write_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> Path:
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh)
+        w.writerow(header)
+        w.writerows([_csv_cell(c) for c in row] for row in rows)
+    return path
+
+
+def _num(v: float | None, digits: int = 4, sign: bool = False) -> str:
+    if v is None:
+        return "—"
+    return f"{v:+.{digits}f}" if sign else f"{v:.{digits}f}"
+
+
+def _at_text(runs: Sequence[RunResult], at: int | None) -> str:
+    if at is not None:
+        return f"update {at}"
+    budgets = sorted({r.total_updates for r in runs})
+    return (
+        f"update {budgets[0]}"
+        if len(budgets) == 1
+        else "each run's budget (updates " + ", ".join(map(str, budgets)) + ")"
+    )
+
+
+@dataclass
+class Section:
+    """What one analysis produced: its files and the Markdown embedded in the report index."""
+
+    analysis: Analysis
+    files: list[Path]
+    markdown: str
+
+
+def _finish(a: Analysis, out_dir: Path, heading: str, body: str, files: list[Path]) -> Section:
+    md_path = out_dir / f"{a.name}.md"
+    md_path.write_text(f"# {heading}\n\n{body}\n", encoding="utf-8")
+    return Section(a, [*files, md_path], body)
+
+
+# ============================================================================ scaling (Table 6)
+
+
+@dataclass
+class ScalingCell:
+    """One (row, col) cell: smoothed values of the runs that reached T, and why the others have none."""
+
+    row: Any
+    col: Any
+    runs: list[RunResult]
+    values: list[float]
+    missing: list[tuple[RunResult, str]]
+    at: list[int]
+    gap: float | None = None
+    within: bool | None = None  # None for the reference column and cells without a value
+
+    @property
+    def value(self) -> float | None:
+        return float(np.mean(self.values)) if self.values else None
+
+    @property
+    def std(self) -> float | None:
+        return float(np.std(self.values, ddof=1)) if len(self.values) > 1 else None
+
+    @property
+    def status(self) -> str:
+        if not self.runs:
+            return "no runs"
+        why = "; ".join(f"{r.label}: {w}" for r, w in self.missing)
+        if not self.missing:
+            return "ok"
+        if self.values:
+            return f"partial: {len(self.values)}/{len(self.runs)} runs ({why})"
+        return f"missing ({why})"
+
+
+def scaling_cells(runs: Sequence[RunResult], a: ScalingAnalysis) -> tuple[list[Any], list[Any], list[ScalingCell]]:
+    """Row values, column values and the cells of a scaling table, gaps and tolerance marks filled in.
+
+    Runs sharing a cell (e.g. seeds) are averaged over those that reached T. The reference is
+    ``a.reference`` or, when null, the last column.
+    """
+    runs = _selected(runs, a)
+    row_vals = _ordered(_param(r, a.rows) for r in runs)
+    col_vals = _ordered(_param(r, a.cols) for r in runs)
+    ref = col_vals[-1] if a.reference is None and col_vals else a.reference
+    cells: list[ScalingCell] = []
+    for rv in row_vals:
+        row_cells = []
+        for cv in col_vals:
+            members = [r for r in runs if _same(_param(r, a.rows), rv) and _same(_param(r, a.cols), cv)]
+            cell = ScalingCell(rv, cv, members, [], [], [_budget(r, a.at) for r in members])
+            for r in members:
+                value, why = smoothed_at(r, a.metric, a.at, a.smoothing)
+                if value is None:
+                    cell.missing.append((r, why or "no value"))
+                else:
+                    cell.values.append(value)
+            row_cells.append(cell)
+        ref_cell = next((c for c in row_cells if _same(c.col, ref)), None)
+        for c in row_cells:
+            if ref_cell is not None and ref_cell.value is not None and c.value is not None:
+                c.gap = c.value - ref_cell.value
+                if c is not ref_cell:
+                    c.within = abs(c.gap) <= a.tolerance + 1e-12
+        cells.extend(row_cells)
+    return row_vals, col_vals, cells
+
+
+def write_scaling(runs: Sequence[RunResult], a: ScalingAnalysis, out_dir: Path) -> Section:
+    """Table 6 as CSV (one line per cell) and Markdown (values, then gaps; cells within tolerance bold ✓)."""
+    row_vals, col_vals, cells = scaling_cells(runs, a)
+    ref = col_vals[-1] if a.reference is None and col_vals else a.reference
+    rows_key = a.rows or "rows"
+    csv_rows = [
+        [
+            c.row if a.rows else "all",
+            c.col,
+            c.value,
+            c.std,
+            c.gap,
+            c.within,
+            len(c.values),
+            len(c.runs),
+            "/".join(str(t) for t in sorted(set(c.at))),
+            c.status,
+        ]
+        for c in cells
+    ]
+    header = [rows_key, a.cols, "value", "std", "gap_to_reference", "within_tolerance", "n_runs", "n_planned", "at"]
+    csv_path = _write_csv(out_dir / f"{a.name}.csv", [*header, "status"], csv_rows)
+
+    others = [v for v in col_vals if not _same(v, ref)]
+    md_header = [
+        a.rows or "",
+        *(f"{_short(a.cols)}={_fmt_param(v)}" for v in col_vals),
+        *(f"gap {_fmt_param(v)}" for v in others),
+    ]
+    md_rows = []
+    for rv in row_vals:
+        row_cells = [c for c in cells if _same(c.row, rv)]  # in column order
+        gaps = [_num(c.gap, sign=True) for c in row_cells if not _same(c.col, ref)]
+        md_rows.append([_fmt_param(rv) if a.rows else "all", *map(_scaling_md_cell, row_cells), *gaps])
+    sel = _selected(runs, a)
+    caption = (
+        f"*{a.metric} smoothed by debiased exponential smoothing (weight {a.smoothing:g}) at {_at_text(sel, a.at)}; "
+        f"gap = value − value at {a.cols}={_fmt_param(ref)} in the same row. "
+        f"**Bold ✓** marks cells within {a.tolerance:g} of that reference (|gap| ≤ {a.tolerance:g}). "
+        "(n=k): mean over k runs sharing the cell (e.g. seeds; std in the CSV); (n=k/m): only k of its m runs "
+        "have a value.*"
+    )
+    notes = _missing_notes([(r, w) for c in cells for r, w in c.missing], "no value at update T")
+    pooled = _pooled_keys([c.runs for c in cells], [a.rows, a.cols])
+    if pooled:
+        notes.append(
+            f"- Warning: some cells average runs that also differ in {', '.join(pooled)}; "
+            "add them to `rows`/`cols` or `select:` to separate them."
+        )
+    for rv in row_vals:
+        ref_cell = next((c for c in cells if _same(c.row, rv) and _same(c.col, ref)), None)
+        if ref_cell is None or ref_cell.value is None:
+            notes.append(f"- Row {_fmt_param(rv) if a.rows else 'all'}: the reference has no value, so no gaps.")
+    body = "\n\n".join(
+        p for p in [_md_table(md_header, md_rows, right=range(1, len(md_header))), caption, "\n".join(notes)] if p
+    )
+    return _finish(a, out_dir, f"{a.name}: {a.metric} across {a.rows or 'runs'} and {a.cols}", body, [csv_path])
+
+
+def _scaling_md_cell(c: ScalingCell) -> str:
+    if c.value is None:
+        if not c.runs:
+            return "— (no run)"
+        return "— (" + "; ".join(w for _, w in c.missing) + ")"
+    text = _num(c.value)
+    if c.within:
+        text = f"**{text}** ✓"
+    if c.missing:
+        text += f" (n={len(c.values)}/{len(c.runs)})"
+    elif len(c.values) > 1:
+        text += f" (n={len(c.values)})"
+    return text
+
+
+def _missing_notes(items: Sequence[tuple[RunResult, str]], what: str) -> list[str]:
+    if not items:
+        return []
+    return [f"Runs with {what}:"] + [f"- {r.label} (`{r.key}`): {w}" for r, w in items]
+
+
+# ============================================================================ curves (Appendix F)
+
+
+@dataclass
+class Curve:
+    """One line of a curves plot: the mean over its runs at their common steps, smoothed, with its band."""
+
+    panel: Any
+    hue: Any
+    runs: list[RunResult]  # runs averaged into the curve
+    without: list[tuple[RunResult, str]]  # runs of this (panel, hue) with no data, and why
+    steps: np.ndarray
+    raw: np.ndarray
+    smoothed: np.ndarray
+    band: np.ndarray
+
+
+def curves_data(runs: Sequence[RunResult], a: CurvesAnalysis) -> tuple[list[Any], list[Any], list[Curve]]:
+    """Panel values, hue values and one ``Curve`` per (panel, hue) that has runs.
+
+    Runs sharing a (panel, hue), e.g. seeds, are averaged point-wise at the steps *all* of them
+    logged, so every point of a curve is a mean over the same runs (a run that stopped early ends
+    the curve there instead of silently changing which runs it averages). The mean is then smoothed
+    with the debiased EMA and the band is smoothed ± ``local_std(raw mean - smoothed, band_window)``.
+    """
+    runs = _selected(runs, a)
+    panel_vals = _ordered(_param(r, a.panels) for r in runs)
+    hue_vals = _ordered(_param(r, a.hue) for r in runs)
+    curves = []
+    for pv in panel_vals:
+        for hv in hue_vals:
+            members = [r for r in runs if _same(_param(r, a.panels), pv) and _same(_param(r, a.hue), hv)]
+            if not members:
+                continue
+            series = {id(r): _points(r, a.metric) for r in members}
+            used = [r for r in members if len(series[id(r)][0])]
+            without = [(r, _reason(r, a.metric, 0) or "no data") for r in members if r not in used]
+            common = sorted(set.intersection(*(set(series[id(r)][0].tolist()) for r in used))) if used else []
+            steps = np.array(common, dtype=np.int64)
+            if len(steps):
+                stacked = [dict(zip(*(x.tolist() for x in series[id(r)]))) for r in used]
+                raw = np.array([np.mean([d[s] for d in stacked]) for s in common])
+                smooth = debiased_ema(raw, a.smoothing)
+                band = local_std(raw - smooth, a.band_window)
+            else:
+                raw = smooth = band = np.zeros(0)
+            curves.append(Curve(pv, hv, used, without, steps, raw, smooth, band))
+    return panel_vals, hue_vals, curves
+
+
+def write_curves(runs: Sequence[RunResult], a: CurvesAnalysis, out_dir: Path, title: str = "") -> Section:
+    """Appendix F-style PNG (one panel per ``panels`` value), the plotted numbers as CSV, a Markdown summary."""
+    panel_vals, hue_vals, curves = curves_data(runs, a)
+    rows = []
+    for c in curves:
+        for i in range(len(c.steps)):
+            rows.append([c.panel, c.hue, int(c.steps[i]), c.raw[i], c.smoothed[i], c.band[i], len(c.runs)])
+    csv_path = _write_csv(
+        out_dir / f"{a.name}.csv",
+        [a.panels or "panel", a.hue or "hue", "step", "raw_mean", "smoothed", "band_std", "n_runs"],
+        rows,
+    )
+    png_path = _plot_curves(a, panel_vals, hue_vals, curves, out_dir / f"{a.name}.png", title)
+
+    md_rows = []
+    for c in curves:
+        planned = len(c.runs) + len(c.without)
+        last = int(c.steps[-1]) if len(c.steps) else None
+        md_rows.append(
+            [
+                *([_fmt_param(c.panel)] if a.panels else []),
+                _fmt_param(c.hue) if a.hue else "all",
+                f"{len(c.runs)}/{planned}",
+                f"{int(c.steps[0])}–{last}" if last is not None else "—",
+                _num(float(c.smoothed[-1])) if last is not None else "—",
+                _num(float(c.band[-1])) if last is not None else "—",
+            ]
+        )
+    header = [*([_short(a.panels)] if a.panels else []), _short(a.hue) or "curve", "runs", "updates"]
+    header += [f"smoothed {a.metric} at last update", "band std there"]
+    caption = (
+        f"![{a.name}]({png_path.name})\n\n"
+        f"*Lines: {a.metric} smoothed by debiased exponential smoothing (weight {a.smoothing:g}); shading: ± the "
+        f"local standard deviation (window {a.band_window}) of the raw-minus-smoothed residuals; faint: raw values. "
+        "Runs sharing a line are averaged at the updates all of them logged (runs: with data / planned).*"
+    )
+    notes = _missing_notes([w for c in curves for w in c.without], f"no {a.metric} (not plotted)")
+    short = [
+        f"- {r.label}: {_progress(r, a.metric)}, longer than the others of its line, which ends at update "
+        f"{int(c.steps[-1])}"
+        for c in curves
+        if len(c.runs) > 1 and len(c.steps)
+        for r in c.runs
+        if _points(r, a.metric)[0][-1] > c.steps[-1]
+    ]
+    if short:
+        notes += ["Lines cut at their shortest run:", *short]
+    pooled = _pooled_keys([c.runs for c in curves], [a.panels, a.hue])
+    if pooled:
+        notes.append(f"- Warning: some lines average runs that also differ in {', '.join(pooled)}.")
+    body = "\n\n".join(
+        p
+        for p in [_md_table(header, md_rows, right=range(len(header) - 2, len(header))), caption, "\n".join(notes)]
+        if p
+    )
+    return _finish(a, out_dir, f"{a.name}: {a.metric} vs update", body, [csv_path, png_path])
+
+
+def _plot_curves(
+    a: CurvesAnalysis, panel_vals: list[Any], hue_vals: list[Any], curves: list[Curve], out: Path, title: str
+) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = max(1, len(panel_vals))
+    ncols = min(3, n)
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.4 * ncols, 4.0 * nrows), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, ax in enumerate(axes.flat):
+        if i >= n:
+            ax.set_visible(False)
+            continue
+        pv = panel_vals[i] if panel_vals else None
+        drawn = False
+        for c in (c for c in curves if _same(c.panel, pv) and len(c.steps)):
+            color = colors[next(j for j, h in enumerate(hue_vals) if _same(h, c.hue)) % len(colors)]
+            label = _fmt_param(c.hue) if a.hue else a.metric
+            if len(c.runs) > 1:
+                label += f" (n={len(c.runs)})"
+            ax.plot(c.steps, c.raw, color=color, alpha=0.25, lw=0.7, zorder=1)
+            ax.fill_between(c.steps, c.smoothed - c.band, c.smoothed + c.band, color=color, alpha=0.2, lw=0, zorder=2)
+            ax.plot(c.steps, c.smoothed, color=color, lw=1.8, label=label, zorder=3)
+            drawn = True
+        if not drawn:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.set(xlabel="update", ylabel=a.metric)
+        if a.panels:
+            ax.set_title(f"{a.panels}={_fmt_param(pv)}")
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend(title=a.hue, fontsize=8, title_fontsize=8)
+    fig.suptitle(
+        f"{title + ': ' if title else ''}{a.name} — {a.metric}, debiased EMA {a.smoothing:g}, "
+        f"band ± local std (window {a.band_window})"
+    )
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# ============================================================================ final table
+
+
+def write_final(runs: Sequence[RunResult], a: FinalAnalysis, out_dir: Path) -> Section:
+    """One line per run, sorted by ``by``: smoothed metric at T and the ``also`` metrics' last values by T."""
+    sel = _selected(runs, a)
+    orders = {k: _ordered(_param(r, k) for r in sel) for k in a.by}
+
+    def sort_key(r: RunResult) -> list[int]:
+        return [next(i for i, v in enumerate(orders[k]) if _same(v, _param(r, k))) for k in a.by]
+
+    ordered = sorted(sel, key=sort_key)  # stable: ties keep the sweep's order
+    csv_rows, md_rows, groups = [], [], {}
+    for r in ordered:
+        t = _budget(r, a.at)
+        value, why = smoothed_at(r, a.metric, a.at, a.smoothing)
+        extra = [_raw_at(r, m, t) for m in a.also]
+        group = tuple(_fmt_param(_param(r, k)) for k in a.by)
+        groups.setdefault(group, []).append((value, [v for v, _ in extra]))
+        csv_rows.append(
+            [
+                *(_param(r, k) for k in a.by),
+                r.label,
+                r.key,
+                r.status,
+                _progress(r, a.metric),
+                t,
+                value,
+                *(x for v, s in extra for x in (v, s)),
+                why or "",
+            ]
+        )
+        md_extra = [
+            _num(v) + (f" (at {s})" if s is not None and s < t else "") if v is not None else "—" for v, s in extra
+        ]
+        md_rows.append([*group, r.label, r.status, _progress(r, a.metric), _num(value), *md_extra, why or ""])
+    metric_col = f"{a.metric} (smoothed)"
+    header = [*a.by, "run", "key", "status", "progress", "at", metric_col]
+    header += [x for m in a.also for x in (m, f"{m} step")]
+    csv_path = _write_csv(out_dir / f"{a.name}.csv", [*header, "note"], csv_rows)
+
+    md_header = [*(_short(k) for k in a.by), "run", "status", "progress", metric_col, *a.also, "note"]
+    parts = [
+        _md_table(md_header, md_rows),
+        f"*{a.metric}: debiased exponential smoothing (weight {a.smoothing:g}) at {_at_text(sel, a.at)}; "
+        f"{', '.join(a.also) or 'other metrics'}: last logged value by then (its update in brackets when earlier). "
+        "progress = last logged update / budget.*",
+    ]
+    if a.by and any(len(g) > 1 for g in groups.values()):
+        mean_rows = []
+        for g, members in groups.items():
+            vals = [v for v, _ in members if v is not None]
+            extras = [[e[j] for _, e in members if e[j] is not None] for j in range(len(a.also))]
+            mean_rows.append(
+                [
+                    *g,
+                    f"{len(vals)}/{len(members)}",
+                    _num(float(np.mean(vals))) if vals else "—",
+                    _num(float(np.std(vals, ddof=1))) if len(vals) > 1 else "—",
+                    *(_num(float(np.mean(x))) if x else "—" for x in extras),
+                ]
+            )
+        parts += [
+            "Mean over the runs of each group (runs with a value / runs):",
+            _md_table([*(_short(k) for k in a.by), "runs", "mean", "std", *a.also], mean_rows),
+        ]
+    pooled = _pooled_keys(
+        [[r for r in sel if tuple(_fmt_param(_param(r, k)) for k in a.by) == g] for g in groups], a.by
+    )
+    if pooled and a.by:
+        parts.append(f"Groups also differ in: {', '.join(pooled)}.")
+    return _finish(a, out_dir, f"{a.name}: {a.metric} per run", "\n\n".join(parts), [csv_path])
+
+
+# ============================================================================ the report
+
+
+def write_report(runs: list[RunResult], analyses: list[Analysis] | None, out_dir: Path, title: str = "") -> list[Path]:
+    """Write every analysis (``<name>.csv``, ``<name>.md``, curves also ``<name>.png``) and the index
+    ``README.md`` that embeds them and lists every run that is not finished or lacks a metric.
+
+    ``analyses=None`` uses ``default_analyses(runs)``. Parameter names are checked against the runs
+    first (``ConfigError`` with "did you mean"), so nothing half-written is left by a typo.
+    Returns the paths written, the index last.
+    """
+    out_dir = Path(out_dir)
+    if analyses is None:
+        analyses = default_analyses(runs)
+    errors = [e for a in analyses for e in _param_errors(a, runs)]
+    if errors:
+        raise ConfigError(errors)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sections = []
+    for a in analyses:
+        if isinstance(a, ScalingAnalysis):
+            sections.append(write_scaling(runs, a, out_dir))
+        elif isinstance(a, CurvesAnalysis):
+            sections.append(write_curves(runs, a, out_dir, title))
+        elif isinstance(a, FinalAnalysis):
+            sections.append(write_final(runs, a, out_dir))
+        else:
+            raise TypeError(f"not an analysis: {a!r}")
+    index = out_dir / INDEX_FILE
+    index.write_text(_index_markdown(runs, analyses, sections, title), encoding="utf-8")
+    return [p for s in sections for p in s.files] + [index]
+
+
+def run_problems(runs: Sequence[RunResult], analyses: Sequence[Analysis]) -> list[tuple[RunResult, list[str]]]:
+    """Every run that is not finished, has not reached its budget, or lacks a metric an analysis needs."""
+    metrics = list(dict.fromkeys(a.metric for a in analyses)) or ["reward/mean"]
+    out = []
+    for r in runs:
+        problems = [] if r.status == "finished" else [r.status]
+        for m in metrics:
+            steps, _ = _points(r, m)
+            if not len(steps):
+                if r.status not in ("missing", "pending"):
+                    problems.append(f"no {m}")
+            elif steps[-1] < r.total_updates:
+                problems.append(f"{m} at {steps[-1]}/{r.total_updates}")
+        if problems:
+            out.append((r, problems))
+    return out
+
+
+def _index_markdown(
+    runs: Sequence[RunResult], analyses: Sequence[Analysis], sections: Sequence[Section], title: str
+) -> str:
+    counts: dict[str, int] = {}
+    for r in runs:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    parts = [
+        f"# {title or 'Sweep report'}",
+        f"{len(runs)} runs: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".",
+    ]
+    if sections:
+        parts.append(
+            "\n".join(f"- [{s.analysis.name}](#{_anchor(s.analysis.name)}) ({s.analysis.kind})" for s in sections)
+        )
+    problems = run_problems(runs, analyses)
+    parts.append("## Runs needing attention")
+    if problems:
+        parts.append(
+            _md_table(
+                ["run", "key", "status", "progress", "problem"],
+                [[r.label, f"`{r.key}`", r.status, _progress(r), "; ".join(p)] for r, p in problems],
+            )
+        )
+    else:
+        parts.append(f"None: all {len(runs)} runs finished their budget with every analysed metric logged.")
+    for s in sections:
+        links = ", ".join(f"[{p.name}]({p.name})" for p in s.files)
+        parts += [f"## {s.analysis.name}", f"Kind `{s.analysis.kind}`; files: {links}.", s.markdown]
+    parts.append("## All runs")
+    parts.append(
+        _md_table(["run", "key", "status", "progress"], [[r.label, f"`{r.key}`", r.status, _progress(r)] for r in runs])
+    )
+    return "\n\n".join(parts) + "\n"
+
+
+def _anchor(name: str) -> str:
+    return re.sub(r"[^a-z0-9_-]", "", name.lower().replace(" ", "-"))

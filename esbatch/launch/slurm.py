@@ -1,0 +1,167 @@
+"""SLURM through submitit: one array job per sweep (split past MaxArraySize), one batched sacct per poll.
+
+Each array task runs ``SweepTask(sweep_dir)(key)`` with submitit's python command, which is replaced by
+``apptainer exec --nv --bind ... IMAGE python`` (or ``docker run ...``) when the profile names a container.
+An aggregator job (``esbatch aggregate``) waits on the arrays with ``--dependency=afterok``.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from esbatch.launch.profile import LauncherProfile
+from esbatch.launch.state import SweepDir, now
+
+_SAFE = re.compile(r"[\w@%+=:,./${}-]+")
+
+
+def _q(arg: str) -> str:
+    """Shell-quote, but leave $VAR / ${VAR} to the job's shell (image and bind paths under $HOME)."""
+    return arg if _SAFE.fullmatch(arg) else shlex.quote(arg)
+
+
+def python_command(profile: LauncherProfile, sweep_dir: Path) -> str:
+    """The interpreter submitit runs the task with: this venv's python, or python inside the container."""
+    c = profile.container
+    if c.runtime == "none":
+        return shlex.quote(sys.executable)
+    binds = [str(sweep_dir), *c.binds]
+    gpus = c.gpus and profile.gpus_per_node > 0
+    if c.runtime == "apptainer":
+        args = ["apptainer", "exec"] + (["--nv"] if gpus else [])
+        for b in binds:
+            args += ["--bind", b]
+        for k, v in c.env.items():
+            args += ["--env", f"{k}={v}"]
+        return " ".join(_q(a) for a in [*args, *c.options, c.image, "python"])
+    # docker: run as the submitting user, share the host network (MLflow server, rendezvous)
+    args = ["docker", "run", "--rm", "--network", "host"] + (["--gpus", "all"] if gpus else [])
+    for b in binds:
+        src, _, dst = b.partition(":")
+        args += ["-v", f"{src}:{dst or src}"]
+    for k, v in c.env.items():
+        args += ["-e", f"{k}={v}"]
+    args += ["-e", "SLURM_JOB_ID", "-e", "SLURM_ARRAY_JOB_ID", "-e", "SLURM_ARRAY_TASK_ID", "-e", "SLURMD_NODENAME"]
+    quoted = " ".join(_q(a) for a in [*args, *c.options])
+    return f'{quoted} --user "$(id -u):$(id -g)" -w {_q(str(sweep_dir))} {_q(c.image)} python'
+
+
+def sbatch_parameters(profile: LauncherProfile, job_name: str) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters for the array job."""
+    p: dict[str, Any] = {
+        "job_name": job_name,
+        "time": profile.time_minutes(),
+        "nodes": profile.nodes,
+        "ntasks_per_node": 1,
+        "cpus_per_task": profile.cpus_per_task,
+        "signal_delay_s": profile.signal_delay_s,
+        "array_parallelism": profile.array_parallelism,
+        "setup": [*profile.setup, *(f"export {k}={_q(str(v))}" for k, v in profile.container.env.items())],
+    }
+    for key in ("partition", "account", "qos", "mem"):
+        if getattr(profile, key):
+            p[key] = getattr(profile, key)
+    if profile.gpus_per_node:
+        p["gpus_per_node"] = profile.gpus_per_node
+    if profile.extra_sbatch:
+        p["additional_parameters"] = dict(profile.extra_sbatch)
+    return p
+
+
+def render_sbatch(profile: LauncherProfile, sweep_dir: Path, job_name: str, n_tasks: int) -> str:
+    """The sbatch script the array submission will write (for --dry-run and the golden test)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    folder = sweep_dir / "slurm" / "%j"
+    command = " ".join([python_command(profile, sweep_dir), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+    params = sbatch_parameters(profile, job_name)
+    params["array_parallelism"] = min(profile.array_parallelism, n_tasks)
+    return _make_sbatch_string(command=command, folder=folder, map_count=n_tasks, **params)
+
+
+def max_array_size() -> int:
+    """The cluster's MaxArraySize (an array may hold at most this many tasks; default 1001)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 1001
+    m = re.search(r"^MaxArraySize\s*=\s*(\d+)", out, re.M)
+    return int(m.group(1)) if m else 1001
+
+
+def chunks(keys: list[str], size: int) -> list[list[str]]:
+    return [keys[i : i + size] for i in range(0, len(keys), size)]
+
+
+def _executor(profile: LauncherProfile, sd: SweepDir, job_name: str) -> Any:
+    import submitit
+
+    ex = submitit.SlurmExecutor(
+        folder=sd.slurm / "%j", max_num_timeout=profile.max_requeues, python=python_command(profile, sd.path)
+    )
+    ex.update_parameters(**sbatch_parameters(profile, job_name))
+    return ex
+
+
+def submit(profile: LauncherProfile, sd: SweepDir, name: str, keys: list[str]) -> list[dict[str, Any]]:
+    """Submit ``keys`` as array job(s) (+ the afterok aggregator job); returns submission records."""
+    from esbatch.launch.task import SweepTask, aggregate_task
+
+    size = profile.max_array_size or max_array_size()
+    records = []
+    for part in chunks(keys, size):
+        ex = _executor(profile, sd, f"esbatch-{name}")
+        jobs = ex.map_array(SweepTask(str(sd.path)), part)
+        records.append({"kind": "slurm", "job_id": jobs[0].job_id.split("_")[0], "keys": part, "time": now()})
+    if profile.aggregate_job and records:
+        ex = _executor(profile, sd, f"esbatch-{name}-aggregate")
+        deps = ":".join(r["job_id"] for r in records)
+        ex.update_parameters(
+            array_parallelism=1,
+            gpus_per_node=None,
+            cpus_per_task=1,
+            time=30,
+            additional_parameters={"dependency": f"afterok:{deps}", "kill-on-invalid-dep": "yes"},
+        )
+        job = ex.submit(aggregate_task, str(sd.path))
+        records[-1]["aggregate_job"] = job.job_id
+    return records
+
+
+_ARRAY = re.compile(r"^(\d+)_(\d+|\[([^\]]+)\])$")
+
+
+def scheduler_states(submissions: list[dict[str, Any]]) -> dict[tuple[str, int], str]:
+    """(array job id, index) -> SLURM state, from ONE sacct call covering every submitted array."""
+    ids = sorted({s["job_id"] for s in submissions if s.get("kind") == "slurm"})
+    if not ids:
+        return {}
+    cmd = ["sacct", "-X", "-n", "-P", "--format=JobID,State", "-j", ",".join(ids)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    states: dict[tuple[str, int], str] = {}
+    for line in out.stdout.splitlines():
+        jid, _, state = line.partition("|")
+        m = _ARRAY.match(jid.strip())
+        if not m:
+            continue
+        if m.group(3):  # a pending range "123_[4-63%16]" or "123_[1,3,5-7]"
+            for part in m.group(3).split("%")[0].split(","):
+                a, _, b = part.partition("-")
+                for i in range(int(a), int(b or a) + 1):
+                    states[(m.group(1), i)] = state.strip()
+        else:
+            states[(m.group(1), int(m.group(2)))] = state.strip()
+    return states
+
+
+def cancel(job_ids: list[str]) -> None:
+    if job_ids:
+        subprocess.run(["scancel", *job_ids], check=False)
