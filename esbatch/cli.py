@@ -94,12 +94,29 @@ def cmd_validate(args: argparse.Namespace) -> int:
     bad = 0
     for f in args.files:
         try:
+            if _is_sweep_file(f):
+                from esbatch.launch.sweep import load_sweep
+
+                sw = load_sweep(f, overrides=args.overrides)
+                print(f"ok: {f} (sweep {sw.name}: {len(sw.runs)} runs, launcher {sw.launcher})")
+                continue
             cfg = load_config(f, args.overrides)
             print(f"ok: {f} ({cfg.algorithm}, task {cfg.task.name}, model {cfg.model.name})")
         except ConfigError as e:
             bad += 1
             print(str(e), file=sys.stderr)
     return 1 if bad else 0
+
+
+def _is_sweep_file(f: str) -> bool:
+    import yaml
+
+    p = Path(f)
+    try:
+        data = yaml.safe_load(p.read_text()) if p.is_file() else None
+    except yaml.YAMLError:
+        return False
+    return isinstance(data, dict) and bool({"grid", "zip", "seeds", "launcher"} & set(data))
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -114,6 +131,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(f"  {name:32s} {reg.help(name)}")
     print("built-in configs:")
     for name in builtin_configs():
+        print(f"  {name}")
+    from esbatch.launch.profile import REPO_ROOT, available_launchers
+
+    print("sweeps:")
+    for p in sorted((REPO_ROOT / "sweeps").glob("*.yaml")):
+        print(f"  {p.stem}")
+    print("launchers:")
+    for name in available_launchers():
         print(f"  {name}")
     return 0
 
@@ -206,8 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("sweep", help="sweep folder, file or name")
     ag.set_defaults(func=cmd_aggregate)
 
-    v = sub.add_parser("validate", help="check config files without loading any model")
-    v.add_argument("files", nargs="*", help="YAML files or built-in config names")
+    v = sub.add_parser("validate", help="check config or sweep files without loading any model")
+    v.add_argument("files", nargs="*", help="YAML config or sweep files, or built-in config names")
     v.add_argument("--schema", action="store_true", help="print every config key with its type, default and help")
     _add_set(v)
     v.set_defaults(func=cmd_validate)

@@ -807,9 +807,10 @@ def _plot_curves(
         ax.grid(alpha=0.3)
         if drawn:
             ax.legend(title=a.hue, fontsize=8, title_fontsize=8)
-    fig.suptitle(
-        f"{title + ': ' if title else ''}{a.name} — {a.metric}, debiased EMA {a.smoothing:g}, "
-        f"band ± local std (window {a.band_window})"
+    fig.suptitle(  # two short lines so a one-panel figure does not cut the title off
+        f"{title + ': ' if title else ''}{a.name}\n{a.metric}, debiased EMA {a.smoothing:g}, "
+        f"band ± local std (window {a.band_window})",
+        fontsize=10,
     )
     fig.tight_layout()
     fig.savefig(out, dpi=110)

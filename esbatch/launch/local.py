@@ -30,6 +30,14 @@ def run(
     live: dict[str, subprocess.Popen] = {}
     codes: dict[str, int] = {}
     record = {"kind": "local", "job_id": f"local-{os.getpid()}", "keys": keys, "time": now(), "pids": {}}
+    with sd.locked() as meta:  # recorded up front so `esbatch status` elsewhere sees the live pids
+        meta["submissions"].append(record)
+        slot = len(meta["submissions"]) - 1
+
+    def save() -> None:
+        with sd.locked() as meta:
+            meta["submissions"][slot] = record
+
     try:
         while queue or live:
             while queue and len(live) < profile.array_parallelism:
@@ -44,6 +52,7 @@ def run(
                         env=env,
                     )
                 record["pids"][key] = live[key].pid
+                save()
             for key, proc in list(live.items()):
                 if proc.poll() is not None:
                     codes[key] = proc.returncode
@@ -63,4 +72,5 @@ def run(
         raise
     finally:
         record["exit_codes"] = codes
+        save()
     return record

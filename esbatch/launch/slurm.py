@@ -117,7 +117,11 @@ def submit(profile: LauncherProfile, sd: SweepDir, name: str, keys: list[str]) -
     for part in chunks(keys, size):
         ex = _executor(profile, sd, f"esbatch-{name}")
         jobs = ex.map_array(SweepTask(str(sd.path)), part)
-        records.append({"kind": "slurm", "job_id": jobs[0].job_id.split("_")[0], "keys": part, "time": now()})
+        # submitit submits a one-element "array" as a plain job (id without _index)
+        array = "_" in jobs[0].job_id
+        records.append(
+            {"kind": "slurm", "job_id": jobs[0].job_id.split("_")[0], "array": array, "keys": part, "time": now()}
+        )
     if profile.aggregate_job and records:
         ex = _executor(profile, sd, f"esbatch-{name}-aggregate")
         deps = ":".join(r["job_id"] for r in records)
@@ -149,7 +153,11 @@ def scheduler_states(submissions: list[dict[str, Any]]) -> dict[tuple[str, int],
     states: dict[tuple[str, int], str] = {}
     for line in out.stdout.splitlines():
         jid, _, state = line.partition("|")
-        m = _ARRAY.match(jid.strip())
+        jid = jid.strip()
+        if jid.isdigit():  # a plain job: a one-run submission, or the aggregator
+            states[(jid, 0)] = state.strip()
+            continue
+        m = _ARRAY.match(jid)
         if not m:
             continue
         if m.group(3):  # a pending range "123_[4-63%16]" or "123_[1,3,5-7]"

@@ -136,7 +136,7 @@ def combine(disk: str, sched: str | None) -> str:
     if disk == "running":  # the folder says running but no live job owns it: died without a word
         return "interrupted" if sched is None or sched == "COMPLETED" else sched.lower().split()[0]
     if disk == "pending" and sched and sched not in ACTIVE_STATES:
-        return "failed"  # the job ended without ever starting the trainer
+        return "failed" if sched == "COMPLETED" else sched.lower().split()[0]  # ended before the trainer began
     return disk
 
 

@@ -99,7 +99,7 @@ def run_states(sd: SweepDir, query_scheduler: bool = True) -> list[RunState]:
         sub = subs.get(r["key"])
         job, s = None, None
         if sub and sub.get("kind") == "slurm":
-            job = f"{sub['job_id']}_{sub['array_index']}"
+            job = f"{sub['job_id']}_{sub['array_index']}" if sub.get("array", True) else sub["job_id"]
             s = sched.get((sub["job_id"], sub["array_index"]))
         elif sub and sub.get("kind") == "local":
             pid = sub.get("pids", {}).get(r["key"])
@@ -213,16 +213,11 @@ def submit_sweep(sweep: Sweep, *, dry_run: bool = False, wait: bool = False, out
     if prof.cluster == "local":
         from esbatch.launch import local
 
-        record: dict[str, Any] = {}
         try:
             record = local.run(prof, sd, todo, tick=_throttled_bar(sd))
         except KeyboardInterrupt:
             print("\ninterrupted: run `esbatch sweep` again to continue where each run stopped", file=out)
             return 130
-        finally:
-            if record:
-                with sd.locked() as meta:
-                    meta["submissions"].append(record)
         failed = {k: c for k, c in record["exit_codes"].items() if c}
         for k, c in failed.items():
             print(f"  run {k} exited with {c}; its log: {sd.runs / k / 'task.log'}", file=out)
@@ -267,9 +262,12 @@ def _throttled_bar(sd: SweepDir) -> Callable[[], None]:
         if state["bar"] is None:
             state["bar"] = tqdm(total=sum(s.total or 0 for s in states), desc="sweep", unit="upd", dynamic_ncols=True)
         bar = state["bar"]
-        bar.n = sum(s.done for s in states)
         counts = Counter(s.state for s in states)
-        bar.set_postfix({k: v for k, v in sorted(counts.items())}, refresh=True)
+        snap = (sum(s.done for s in states), sorted(counts.items()))
+        if snap != state.get("last") or sys.stderr.isatty():  # in a log file: one line per change only
+            state["last"] = snap
+            bar.n = snap[0]
+            bar.set_postfix(dict(snap[1]), refresh=True)
 
     return tick
 

@@ -1,0 +1,108 @@
+"""`esbatch sweep` with the local launcher (the README's main job, on the tiny model): run, Ctrl-C, resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from mlflow.tracking import MlflowClient
+
+ROOT = Path(__file__).resolve().parents[2]
+UPDATES = 6
+
+
+def write_sweep(tmp: Path, model_dir: Path) -> Path:
+    base = {
+        "run": {"seed": 3, "threads": 1},
+        "model": {"name": str(model_dir), "dtype": "float32"},
+        "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": 4, "few_shot": 1},
+        "generation": {"temperature": 1.0, "max_new_tokens": 6, "batch_size": 8},
+        "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02, "batch_size": 4, "updates": UPDATES},
+        "eval": {"every": 3},
+        "checkpoint": {"every": 2},
+    }
+    (tmp / "base.yaml").write_text(yaml.safe_dump(base))
+    sweep = {
+        "name": "loc",
+        "base": "base.yaml",  # relative to the sweep file
+        "output_dir": str(tmp / "out"),
+        "grid": {"es.population_size": [2, 4]},
+        "launcher": "local",
+        "aggregate": [
+            {"kind": "scaling", "name": "table", "cols": "es.population_size", "reference": 4},
+            {"kind": "curves", "name": "curves", "hue": "es.population_size", "smoothing": 0.5, "band_window": 3},
+        ],
+    }
+    p = tmp / "loc.yaml"
+    p.write_text(yaml.safe_dump(sweep, sort_keys=False))
+    return p
+
+
+def env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "esbatch", *args], env=env(), cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_dry_run_submits_nothing(tmp_path, tiny_model_dir):
+    p = run_cli("sweep", str(write_sweep(tmp_path, tiny_model_dir)), "--dry-run")
+    assert p.returncode == 0, p.stderr
+    assert "sweep loc: 2 runs, launcher local" in p.stdout and "population_size=2" in p.stdout
+    assert "would run 2 task(s) here, 1 at a time (nothing run)" in p.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_interrupted_local_sweep_resumes_without_duplicates(tmp_path, tiny_model_dir):
+    path = write_sweep(tmp_path, tiny_model_dir)
+    sweep_dir = tmp_path / "out" / "loc"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "esbatch", "sweep", str(path)],
+        env=env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    meta_path = sweep_dir / "sweep.json"
+    t0 = time.time()
+    first = None
+    while time.time() - t0 < 300:
+        if meta_path.exists() and first is None:
+            first = json.loads(meta_path.read_text())["runs"][0]["key"]
+        log = sweep_dir / "runs" / str(first) / "log.jsonl"
+        if first and log.exists() and len(log.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: the launcher stops its task, which marks the run killed
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "run `esbatch sweep` again" in out
+    status = run_cli("status", str(sweep_dir)).stdout
+    assert "killed" in status and "pending" in status, status
+
+    p = run_cli("sweep", str(path))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "submitting 2 run(s) (1 resume from their folders)" in p.stdout
+    assert p.stdout.count("finished") >= 2 and f"{UPDATES}/{UPDATES}" in p.stdout
+    assert (sweep_dir / "results" / "table.md").exists() and (sweep_dir / "results" / "curves.png").exists()
+
+    client = MlflowClient(f"sqlite:///{sweep_dir / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("loc")
+    runs = client.search_runs([exp.experiment_id])
+    kids = [r for r in runs if r.data.tags.get("esbatch.role") != "parent"]
+    assert len(runs) == 3 and len(kids) == 2  # one parent, one child per run: the resume reused its run
+    for k in kids:
+        steps = [m.step for m in client.get_metric_history(k.info.run_id, "reward/mean")]
+        assert sorted(steps) == list(range(1, UPDATES + 1))  # each update logged exactly once
+        assert k.info.status == "FINISHED"
+    # and a third call finds everything done
+    p = run_cli("sweep", str(path))
+    assert "skipping 2 finished" in p.stdout and "nothing to submit" in p.stdout

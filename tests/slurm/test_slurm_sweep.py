@@ -1,0 +1,268 @@
+"""`esbatch sweep` against a real SLURM cluster (sbatch arrays through submitit, sacct, requeue).
+
+The sweeps are the shipped CPU quickstart shrunk to the tiny test model and toy task, so each task
+takes seconds. sbatch is wrapped by a counting shim to prove one array job per sweep.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+
+
+def tiny_base(tmp: Path, model_dir: Path, updates: int = 4) -> Path:
+    cfg = {
+        "run": {"seed": 3, "threads": 1},
+        "model": {"name": str(model_dir), "dtype": "float32"},
+        "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": 4, "few_shot": 1},
+        "generation": {"temperature": 1.0, "max_new_tokens": 6, "batch_size": 8},
+        "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02, "batch_size": 4, "updates": updates},
+        "eval": {"every": 2},
+        "checkpoint": {"every": 2},
+    }
+    p = tmp / "tiny-base.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def shrunk_quickstart(tmp: Path, model_dir: Path, name: str, updates: int = 4, **changes) -> Path:
+    """sweeps/quickstart.yaml with the tiny model/toy task and the slurm-local launcher."""
+    sweep = yaml.safe_load((ROOT / "sweeps/quickstart.yaml").read_text())
+    sweep.update(
+        name=name,
+        base=str(tiny_base(tmp, model_dir, updates)),
+        output_dir=str(tmp / "out"),
+        launcher="slurm-local",
+        launcher_overrides={"mem": "1000M"},
+    )
+    sweep.pop("config")
+    sweep.update(changes)
+    p = tmp / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(sweep, sort_keys=False))
+    return p
+
+
+def cli(tmp: Path, *args: str, timeout: int = 600) -> tuple[str, int]:
+    """Run `esbatch ARGS` with sbatch wrapped by a shim that counts calls; returns (output, sbatch calls)."""
+    shim = tmp / "bin"
+    shim.mkdir(exist_ok=True)
+    count = tmp / "sbatch-calls"
+    (shim / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {count}\nexec /usr/bin/sbatch "$@"\n')
+    (shim / "sbatch").chmod(0o755)
+    before = len(count.read_text().splitlines()) if count.exists() else 0
+    env = {
+        **os.environ,
+        "PATH": f"{shim}:{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT / "tests"),
+        "OMP_NUM_THREADS": "1",
+    }
+    p = subprocess.run(
+        [sys.executable, "-m", "esbatch", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    after = len(count.read_text().splitlines()) if count.exists() else 0
+    return out, after - before
+
+
+def sacct_state(job: str) -> str:
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "--format=State", "-j", job], capture_output=True, text=True)
+    return (out.stdout.split() or ["?"])[0]
+
+
+def wait_for(cond, timeout: float, what: str, every: float = 1.0):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        v = cond()
+        if v:
+            return v
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def wait_sweep(sweep_dir: Path, timeout: float = 400) -> dict:
+    """Until every array task and the aggregator job have ended."""
+    meta = json.loads((sweep_dir / "sweep.json").read_text())
+    jobs = [s["job_id"] for s in meta["submissions"]] + [
+        s["aggregate_job"] for s in meta["submissions"] if s.get("aggregate_job")
+    ]
+
+    def ended():
+        out = subprocess.run(
+            ["sacct", "-X", "-n", "-P", "--format=JobID,State", "-j", ",".join(jobs)], capture_output=True, text=True
+        ).stdout
+        states = [ln.split("|")[1] for ln in out.splitlines() if ln]
+        busy = {"PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING"}
+        return states and not any(s.split()[0] in busy for s in states)
+
+    wait_for(ended, timeout, f"jobs {jobs}", every=2)
+    return meta
+
+
+def children(sweep_dir: Path, name: str):
+    client = MlflowClient(f"sqlite:///{sweep_dir / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(name)
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    parents = [r for r in runs if r.data.tags.get("esbatch.role") == "parent"]
+    kids = [r for r in runs if r.data.tags.get("esbatch.role") != "parent"]
+    return client, parents, kids
+
+
+def test_quickstart_sweep_runs_as_one_array_and_aggregates(tmp_path, tiny_model_dir):
+    path = shrunk_quickstart(tmp_path, tiny_model_dir, "qs")
+    out, calls = cli(tmp_path, "sweep", str(path))
+    assert calls == 2, out  # one array job for all runs + the afterok aggregator job
+    sweep_dir = tmp_path / "out" / "qs"
+    meta = wait_sweep(sweep_dir)
+    (sub,) = meta["submissions"]
+    assert len(sub["keys"]) == 2 and sub["aggregate_job"]
+    assert sacct_state(sub["aggregate_job"]) == "COMPLETED"
+    script = next((sweep_dir / "slurm").glob(f"{sub['job_id']}*/*submission.sh")).read_text()
+    assert "#SBATCH --array=0-1%2" in script and "#SBATCH --signal=USR2@60" in script
+
+    client, (parent,), kids = children(sweep_dir, "qs")
+    assert parent.data.tags["slurm.array_job_ids"] == sub["job_id"] and parent.info.status == "FINISHED"
+    assert len(kids) == 2 and all(k.info.status == "FINISHED" for k in kids)
+    for k in kids:
+        t = k.data.tags
+        assert t["mlflow.parentRunId"] == parent.info.run_id
+        assert (
+            t["slurm.array_job_id"] == sub["job_id"] and t["slurm.node"] and t["slurm.job_id"].startswith(sub["job_id"])
+        )
+        assert sub["keys"][int(t["slurm.array_index"])] == t["esbatch.run_key"]
+        steps = [m.step for m in client.get_metric_history(k.info.run_id, "reward/mean")]
+        assert sorted(steps) == [1, 2, 3, 4]
+    # the aggregator job wrote the population table and plots, also as parent-run artifacts
+    table = (sweep_dir / "results" / "popsize_table.md").read_text()
+    assert "population_size=4" in table and "population_size=8" in table
+    assert (sweep_dir / "results" / "reward_by_N.png").stat().st_size > 5000
+    arts = {a.path for a in client.list_artifacts(parent.info.run_id, "results")}
+    assert {"results/popsize_table.csv", "results/popsize_table.md", "results/reward_by_N.png"} <= arts
+
+    # re-running the finished sweep submits nothing and creates no MLflow run
+    out, calls = cli(tmp_path, "sweep", str(path))
+    assert calls == 0 and "skipping 2 finished" in out and "nothing to submit" in out
+    _, parents2, kids2 = children(sweep_dir, "qs")
+    assert len(parents2) == 1 and len(kids2) == 2
+    out, _ = cli(tmp_path, "status", str(sweep_dir))
+    assert out.count("finished") >= 2 and "4/4" in out and f"{sub['job_id']}_0" in out
+
+
+def test_time_limit_signal_requeues_and_resumes_bit_exact(tmp_path, tiny_model_dir):
+    path = shrunk_quickstart(
+        tmp_path, tiny_model_dir, "rq", updates=30, grid={"es.population_size": [4]}, aggregate=None
+    )
+    cli(tmp_path, "sweep", str(path))
+    sweep_dir = tmp_path / "out" / "rq"
+    meta = json.loads((sweep_dir / "sweep.json").read_text())
+    (key,) = meta["submissions"][0]["keys"]
+    sub = meta["submissions"][0]
+    job = sub["job_id"]  # one run: submitit makes it a plain job, not a one-element array
+    assert sub["array"] is False
+    log = sweep_dir / "runs" / key / "log.jsonl"
+    wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3, 180, "3 logged updates")
+    # what SLURM sends signal_delay_s before the time limit (submitit's job._interrupt(timeout=True))
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    n_at_signal = len(log.read_text().splitlines())
+    wait_for(
+        lambda: json.loads((sweep_dir / "runs" / key / "run.json").read_text())["status"] == "killed",
+        60,
+        "the task to stop",
+    )
+    wait_sweep(sweep_dir, timeout=500)
+    assert n_at_signal < 30
+    assert len(log.read_text().splitlines()) == 30
+    _, _, (kid,) = children(sweep_dir, "rq")  # one MLflow run across the requeue
+    assert kid.info.status == "FINISHED" and kid.data.tags["slurm.restarts"] == "1"
+
+    # an uninterrupted run of the same config (same key) through the same task code, locally
+    ref = tmp_path / "ref.yaml"
+    ref.write_text(path.read_text().replace(str(tmp_path / "out"), str(tmp_path / "ref")))
+    cli(tmp_path, "sweep", str(ref), "--launcher", "local")
+    a = load_file(str(sweep_dir / "runs" / key / "center.safetensors"))
+    b = load_file(str(tmp_path / "ref" / "rq" / "runs" / key / "center.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sixteen_concurrent_tasks_lose_no_mlflow_data(tmp_path, tiny_model_dir):
+    """16 array tasks at once, all logging into ONE sqlite store: every run, step and artifact arrives."""
+    path = shrunk_quickstart(
+        tmp_path,
+        tiny_model_dir,
+        "c16",
+        updates=3,
+        grid={"run.seed": list(range(16))},
+        launcher_overrides={"mem": "1000M", "array_parallelism": 16},
+        aggregate=None,
+    )
+    out, calls = cli(tmp_path, "sweep", str(path))
+    assert calls == 2, out
+    sweep_dir = tmp_path / "out" / "c16"
+    wait_sweep(sweep_dir, timeout=600)
+    client, (parent,), kids = children(sweep_dir, "c16")
+    assert len(kids) == 16 and all(k.info.status == "FINISHED" for k in kids)
+    for k in kids:
+        for m in ("reward/mean", "update/l2", "time/generation_s"):
+            assert sorted(x.step for x in client.get_metric_history(k.info.run_id, m)) == [1, 2, 3], m
+        assert sorted(x.step for x in client.get_metric_history(k.info.run_id, "heldout/accuracy")) == [0, 2, 3]
+        assert {"config.yaml", "log.jsonl", "eval.jsonl"} <= {a.path for a in client.list_artifacts(k.info.run_id)}
+    # they really ran at the same time: all 16 SLURM tasks were running at one instant (sacct), and
+    # most of their MLflow runs were open (logging) at one instant too
+    meta = json.loads((sweep_dir / "sweep.json").read_text())
+    out = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "--format=JobID,Start,End", "-j", meta["submissions"][0]["job_id"]],
+        capture_output=True,
+        text=True,
+    ).stdout
+    spans = [ln.split("|")[1:] for ln in out.splitlines() if "_" in ln.split("|")[0]]
+    assert len(spans) == 16 and peak_overlap(spans) == 16
+    assert peak_overlap([(k.info.start_time, k.info.end_time) for k in kids]) >= 8
+
+
+def peak_overlap(spans) -> int:
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], e[1]))
+    live, peak = 0, 0
+    for _, d in events:
+        live += d
+        peak = max(peak, live)
+    return peak
+
+
+def test_offline_stores_merge_once_and_arrays_split(tmp_path, tiny_model_dir):
+    """tracking: offline (no shared store on compute nodes) + max_array_size 2 (3 runs -> 2 array jobs)."""
+    path = shrunk_quickstart(
+        tmp_path,
+        tiny_model_dir,
+        "off",
+        updates=2,
+        grid={"es.population_size": [2, 4, 6]},
+        launcher_overrides={"mem": "1000M", "tracking": "offline", "max_array_size": 2},
+        aggregate=[{"kind": "scaling", "name": "popsize_table", "cols": "es.population_size", "reference": 6}],
+    )
+    out, calls = cli(tmp_path, "sweep", str(path))
+    assert calls == 3, out  # two arrays (2 + 1 tasks) and the aggregator, which waits on both
+    sweep_dir = tmp_path / "out" / "off"
+    meta = wait_sweep(sweep_dir)
+    assert [len(s["keys"]) for s in meta["submissions"]] == [2, 1]
+    for key in sum((s["keys"] for s in meta["submissions"]), []):
+        assert (sweep_dir / "runs" / key / "mlflow.db").exists()  # each task wrote its own store
+    client, (parent,), kids = children(sweep_dir, "off")
+    assert len(kids) == 3 and all(k.data.tags["mlflow.parentRunId"] == parent.info.run_id for k in kids)
+    hist = {k.info.run_id: len(client.get_metric_history(k.info.run_id, "reward/mean")) for k in kids}
+    assert set(hist.values()) == {2}
+    cli(tmp_path, "aggregate", str(sweep_dir))  # merging again adds nothing
+    client, _, kids2 = children(sweep_dir, "off")
+    assert {k.info.run_id for k in kids2} == set(hist)
+    assert {r: len(client.get_metric_history(r, "reward/mean")) for r in hist} == hist
+    assert "population_size=6" in (sweep_dir / "results" / "popsize_table.md").read_text()
