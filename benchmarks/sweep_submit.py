@@ -3,7 +3,7 @@ scheduler queries `esbatch status` makes. Needs a running cluster (scripts/slurm
 
     python benchmarks/sweep_submit.py [--runs 64]
 
-The runs are cancelled right after submission (this measures launching, not training).
+The array is submitted held and cancelled afterwards (this measures launching, not training).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def main() -> None:
         "grid": {"es.population_size": [4, 8, 16, 32][:n_pop]},
         "seeds": list(range(args.runs // n_pop)),
         "launcher": "slurm-local",
-        "launcher_overrides": {"array_parallelism": 16, "mem": "500M"},
+        # held: the tasks are queued but never start, so nothing competes with the measurement
+        "launcher_overrides": {"array_parallelism": 16, "mem": "500M", "extra_sbatch": {"hold": True}},
     }
     path = tmp / "sweep.yaml"
     path.write_text(yaml.safe_dump(sweep))
@@ -79,6 +80,37 @@ def main() -> None:
         f"for {args.runs} runs, {status_wall:.1f} s, exit {st.returncode}"
     )
     print(f"(cancelled jobs {', '.join(jobs)}; scratch folder {tmp})")
+    breakdown(path, tmp)
+
+
+def breakdown(path: Path, tmp: Path) -> None:
+    """The same submission in-process, phase by phase, into a fresh sweep folder."""
+    t = time.perf_counter()
+    from esbatch.launch import slurm, submit
+    from esbatch.launch.sweep import load_sweep
+
+    phases = {"imports": time.perf_counter() - t}
+    t = time.perf_counter()
+    sw = load_sweep(str(path))
+    sw.dir = tmp / "out2" / sw.name
+    for r in sw.runs:
+        r.config.run.output_dir, r.config.tracking.uri = str(sw.dir / "runs"), f"sqlite:///{sw.dir}/mlflow.db"
+    phases[f"parse + validate {len(sw.runs)} run configs"] = time.perf_counter() - t
+    for name, fn in (
+        ("write plan files", lambda: submit.write_plan(sw)),
+        ("MLflow parent run (creates the sqlite store)", lambda: submit.ensure_parent(sw, submit.SweepDir(sw.dir))),
+        (
+            "submit (pickles + sbatch)",
+            lambda: slurm.submit(sw.profile, submit.SweepDir(sw.dir), "b", [r.key for r in sw.runs]),
+        ),
+    ):
+        t = time.perf_counter()
+        out = fn()
+        phases[name] = time.perf_counter() - t
+    slurm.cancel([r["job_id"] for r in out] + [r["aggregate_job"] for r in out if r.get("aggregate_job")])
+    print("in-process breakdown:")
+    for k, v in phases.items():
+        print(f"  {k:48s} {v:6.2f} s")
 
 
 if __name__ == "__main__":
