@@ -141,17 +141,29 @@ _ARRAY = re.compile(r"^(\d+)_(\d+|\[([^\]]+)\])$")
 
 
 def scheduler_states(submissions: list[dict[str, Any]]) -> dict[tuple[str, int], str]:
-    """(array job id, index) -> SLURM state, from ONE sacct call covering every submitted array."""
+    """(array job id, index) -> SLURM state, from ONE sacct call covering every submitted array
+    (plus one squeue call for jobs so fresh that accounting has not recorded them yet)."""
     ids = sorted({s["job_id"] for s in submissions if s.get("kind") == "slurm"})
     if not ids:
         return {}
-    cmd = ["sacct", "-X", "-n", "-P", "--format=JobID,State", "-j", ",".join(ids)]
+    states = _parse_states(_query(["sacct", "-X", "-n", "-P", "--format=JobID,State", "-j", ",".join(ids)]))
+    # accounting lags a few seconds behind a fresh submission: ask the queue about jobs sacct does not know yet
+    unknown = [j for j in ids if not any(k[0] == j for k in states)]
+    if unknown:
+        states.update(_parse_states(_query(["squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(unknown)])))
+    return states
+
+
+def _query(cmd: list[str]) -> str:
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
-        return {}
+        return ""
+
+
+def _parse_states(text: str) -> dict[tuple[str, int], str]:
     states: dict[tuple[str, int], str] = {}
-    for line in out.stdout.splitlines():
+    for line in text.splitlines():
         jid, _, state = line.partition("|")
         jid = jid.strip()
         if jid.isdigit():  # a plain job: a one-run submission, or the aggregator

@@ -151,7 +151,7 @@ def follow(
     states = run_states(sd)
     total = sum(s.total or 0 for s in states)
     bar = tqdm(total=total, desc=f"sweep {sd.read().get('name')}", unit="upd", dynamic_ncols=True)
-    delay, last = poll_s, None
+    delay, last, idle = poll_s, None, 0
     try:
         while True:
             done = sum(s.done for s in states)
@@ -161,7 +161,8 @@ def follow(
             bar.set_postfix({k: v for k, v in sorted(counts.items())}, refresh=True)
             if until is not None and until():
                 break
-            if until is None and not (counts["queued"] or counts["running"]):
+            idle = 0 if (counts["queued"] or counts["running"]) else idle + 1
+            if until is None and idle >= 2:  # twice in a row: a job the scheduler has not listed yet is not lost
                 break
             snapshot = (done, tuple(sorted(counts.items())))
             delay = poll_s if snapshot != last else min(delay * 2, max_poll_s)
@@ -241,8 +242,10 @@ def submit_sweep(sweep: Sweep, *, dry_run: bool = False, wait: bool = False, out
         follow(sd)
         agg_job = records[-1].get("aggregate_job")
         if agg_job:
-            _wait_job(agg_job)
+            print(f"  aggregator job {agg_job}: {_wait_job(agg_job)}", file=out)
         print(format_table(run_states(sd)), file=out)
+        if agg_job and (sd.results / "README.md").exists():
+            print(f"results: {sd.results}", file=out)
         if not agg_job:
             _aggregate_quietly(sd, out)
     return 0

@@ -250,10 +250,12 @@ def test_offline_stores_merge_once_and_arrays_split(tmp_path, tiny_model_dir):
         launcher_overrides={"mem": "1000M", "tracking": "offline", "max_array_size": 2},
         aggregate=[{"kind": "scaling", "name": "popsize_table", "cols": "es.population_size", "reference": 6}],
     )
-    out, calls = cli(tmp_path, "sweep", str(path))
+    out, calls = cli(tmp_path, "sweep", str(path), "--wait")  # --wait: returns when the aggregator is done
     assert calls == 3, out  # two arrays (2 + 1 tasks) and the aggregator, which waits on both
     sweep_dir = tmp_path / "out" / "off"
-    meta = wait_sweep(sweep_dir)
+    assert "aggregator job" in out and ": COMPLETED" in out and "3 runs: 3 finished" in out, out
+    assert f"results: {sweep_dir / 'results'}" in out
+    meta = json.loads((sweep_dir / "sweep.json").read_text())
     assert [len(s["keys"]) for s in meta["submissions"]] == [2, 1]
     for key in sum((s["keys"] for s in meta["submissions"]), []):
         assert (sweep_dir / "runs" / key / "mlflow.db").exists()  # each task wrote its own store
