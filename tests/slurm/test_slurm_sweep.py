@@ -159,6 +159,14 @@ def test_quickstart_sweep_runs_as_one_array_and_aggregates(tmp_path, tiny_model_
     assert out.count("finished") >= 2 and "4/4" in out and f"{sub['job_id']}_0" in out
 
 
+def test_max_array_size_is_read_from_the_cluster():
+    from esbatch.launch.slurm import max_array_size
+
+    out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True).stdout
+    want = next(int(ln.split("=")[1]) for ln in out.splitlines() if ln.startswith("MaxArraySize"))
+    assert max_array_size() == want == 1001  # the start script keeps SLURM's default
+
+
 def test_time_limit_signal_requeues_and_resumes_bit_exact(tmp_path, tiny_model_dir):
     path = shrunk_quickstart(
         tmp_path, tiny_model_dir, "rq", updates=30, grid={"es.population_size": [4]}, aggregate=None
