@@ -1,4 +1,4 @@
-"""The `esbatch` command line: train, sweep, status, aggregate, validate, ls, plot."""
+"""The `esbatch` command line: train, sweep, status, aggregate, eval, eval-plot, validate, ls, plot."""
 
 from __future__ import annotations
 
@@ -202,6 +202,46 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from esbatch.eval.config import load_eval_config
+    from esbatch.eval.runner import evaluate
+
+    overrides = list(args.overrides)
+    if args.recompute:
+        d = Path(args.recompute)
+        if not (d / "config.yaml").exists():
+            print(f"error: --recompute {d}: not an eval folder (no config.yaml)", file=sys.stderr)
+            return 2
+        cfg = load_eval_config(str(d / "config.yaml"), overrides)
+    else:
+        for flag, key in ((args.model, "model.name"), (args.checkpoint, "checkpoint"), (args.mlflow_run, "mlflow_run")):
+            if flag:
+                overrides.append(f"{key}={flag}")
+        cfg = load_eval_config(args.config, overrides)
+    s = evaluate(cfg, progress=not args.no_progress, recompute=bool(args.recompute))
+    out = Path(cfg.output_dir) / cfg.name
+    print((out / "table.md").read_text())
+    if s.get("tokens_per_s"):
+        print(f"generation: {s['tokens']} tokens in {s['generation_s']:.0f} s = {s['tokens_per_s']:.1f} tokens/s")
+    print(f"eval folder: {out}  (samples, table.csv, passk.csv, passk.png)")
+    print(f"MLflow run {s['mlflow_run_id']}  ({s['source']})")
+    return 0
+
+
+def cmd_eval_plot(args: argparse.Namespace) -> int:
+    from esbatch.eval.plots import plot_pareto, plot_passk
+
+    missing = [d for d in args.eval_dirs if not (Path(d) / "metrics.json").exists()]
+    if missing:
+        print(f"error: {missing[0]} is not a finished eval folder (no metrics.json)", file=sys.stderr)
+        return 2
+    if args.kind == "passk":
+        print(plot_passk(args.eval_dirs, args.output))
+    else:
+        print(plot_pareto(args.eval_dirs, args.output, k=args.k, task=args.task))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="esbatch", description="ES and GRPO post-training for LLM reasoning.")
     p.add_argument("--version", action="version", version=f"esbatch {esbatch.__version__}")
@@ -230,6 +270,24 @@ def build_parser() -> argparse.ArgumentParser:
     ag = sub.add_parser("aggregate", help="tables and plots of a sweep, from MLflow, into <sweep>/results")
     ag.add_argument("sweep", help="sweep folder, file or name")
     ag.set_defaults(func=cmd_aggregate)
+
+    ev = sub.add_parser("eval", help="Pass@1, Pass@K, Maj@K and entropy of a model, ES run or MLflow run on tasks")
+    ev.add_argument("config", nargs="?", help="eval YAML or built-in name: eval-easy, eval-hard, eval-quick (default)")
+    ev.add_argument("--model", help="model alias, HF dir, hub id or .gguf (sets model.name)")
+    ev.add_argument("--checkpoint", metavar="RUN_DIR", help="evaluate the final center of an ES run folder")
+    ev.add_argument("--mlflow-run", metavar="RUN_ID", help="evaluate a training run's final center (nested run)")
+    ev.add_argument("--recompute", metavar="EVAL_DIR", help="re-score saved responses and rebuild the tables")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bars (for batch logs)")
+    _add_set(ev)
+    ev.set_defaults(func=cmd_eval)
+
+    ep = sub.add_parser("eval-plot", help="Pass@K profiles or Pass@1-vs-Pass@K Pareto fronts of eval folders")
+    ep.add_argument("eval_dirs", nargs="+", metavar="EVAL_DIR")
+    ep.add_argument("--kind", choices=("passk", "pareto"), default="passk")
+    ep.add_argument("--k", type=int, default=32, help="K of the Pareto plot's y axis")
+    ep.add_argument("--task", default="average", help="task label for the Pareto plot (default: task average)")
+    ep.add_argument("-o", "--output", default="passk.png")
+    ep.set_defaults(func=cmd_eval_plot)
 
     v = sub.add_parser("validate", help="check config or sweep files without loading any model")
     v.add_argument("files", nargs="*", help="YAML config or sweep files, or built-in config names")

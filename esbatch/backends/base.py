@@ -19,12 +19,15 @@ class SamplingParams:
     temperature: float = 0.7
     top_p: float = 1.0
     max_new_tokens: int = 256
+    n: int = 1  # samples per prompt; a backend generates them in one call (prompt encoded once)
+    entropy: bool = False  # also return each response's mean token entropy
 
 
 @dataclass
 class Generation:
     text: str
     n_tokens: int  # generated tokens, EOS included when it was produced
+    entropy: float | None = None  # mean over the response's tokens of H(p_t), p_t = the sampling distribution
 
 
 @dataclass
@@ -49,7 +52,8 @@ class GenerationBackend(ABC):
 
     @abstractmethod
     def generate(self, prompts: Sequence[str], sampling: SamplingParams, seed: int) -> list[Generation]:
-        """One response per prompt, reproducible for a given seed and set of weights."""
+        """``sampling.n`` responses per prompt (prompt-major: all of prompt 0's, then prompt 1's, ...),
+        reproducible for a given seed and set of weights."""
 
     @abstractmethod
     def perturb(self, seed: int, scale: float) -> None:

@@ -36,9 +36,12 @@ class HFGenerator:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[str], sampling: SamplingParams, seed: int) -> list[Generation]:
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, LogitsProcessorList
 
         greedy = sampling.temperature == 0
+        n = sampling.n
+        if greedy and n > 1:
+            raise ValueError("greedy decoding gives one response per prompt; use n=1 or temperature > 0")
         gcfg = GenerationConfig(
             do_sample=not greedy,
             temperature=None if greedy else sampling.temperature,
@@ -47,21 +50,63 @@ class HFGenerator:
             max_new_tokens=sampling.max_new_tokens,
             pad_token_id=self.tok.pad_token_id,
             eos_token_id=self.eos_ids,
+            num_return_sequences=n,
         )
         torch.manual_seed(seed)
         out: list[Generation] = []
-        for i in range(0, len(prompts), self.batch_size):
-            chunk = list(prompts[i : i + self.batch_size])
+        per_call = max(1, self.batch_size // n)  # batch_size counts sequences: n samples of each prompt
+        for i in range(0, len(prompts), per_call):
+            chunk = list(prompts[i : i + per_call])
             enc = self.tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(self.model.device)
-            seqs = self.model.generate(**enc, generation_config=gcfg)
-            for row in seqs[:, enc["input_ids"].shape[1] :].tolist():
-                n = len(row)
+            meter = _EntropyMeter(self.eos_ids, sampling.temperature) if sampling.entropy else None
+            seqs = self.model.generate(
+                **enc, generation_config=gcfg, logits_processor=LogitsProcessorList([meter]) if meter else None
+            )
+            ent = meter.means() if meter else None
+            for r, row in enumerate(seqs[:, enc["input_ids"].shape[1] :].tolist()):
+                n_tok = len(row)
                 for k, tok_id in enumerate(row):
                     if tok_id in self.eos_ids:
-                        n = k + 1
+                        n_tok = k + 1
                         break
-                out.append(Generation(self.tok.decode(row[:n], skip_special_tokens=True), n))
+                text = self.tok.decode(row[:n_tok], skip_special_tokens=True)
+                out.append(Generation(text, n_tok, None if ent is None else ent[r]))
         return out
+
+
+class _EntropyMeter:
+    """A logits processor that leaves the scores alone and accumulates each row's token entropy.
+
+    HF runs custom processors before its temperature/top-p warpers, so the meter divides by the temperature
+    itself: H is that of softmax(logits / T), the temperature-scaled distribution before top-p truncation
+    (TRL's convention; greedy: T = 1). Rows stop counting after EOS. Memory: two floats per row instead of
+    keeping (steps x vocab) scores.
+    """
+
+    def __init__(self, eos_ids: list[int], temperature: float = 1.0) -> None:
+        self.eos = torch.tensor(eos_ids)
+        self.temperature = temperature or 1.0
+        self.total: torch.Tensor | None = None
+        self.count: torch.Tensor | None = None
+        self.done: torch.Tensor | None = None
+        self.start: int | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.total is None:
+            b = scores.shape[0]
+            self.total, self.count = torch.zeros(b, dtype=torch.float64), torch.zeros(b, dtype=torch.float64)
+            self.done, self.start = torch.zeros(b, dtype=torch.bool), input_ids.shape[1]
+        elif input_ids.shape[1] > self.start:  # the previous step's token ended the row?
+            self.done |= torch.isin(input_ids[:, -1].cpu(), self.eos)
+        logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        h = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1).double().cpu()
+        live = ~self.done
+        self.total += torch.where(live, h, 0.0)
+        self.count += live.double()
+        return scores
+
+    def means(self) -> list[float]:
+        return (self.total / self.count.clamp(min=1)).tolist()
 
 
 class HFBackend(HFGenerator, GenerationBackend):

@@ -20,6 +20,13 @@ SYSTEM_PROMPTS = {
         "Answer the question using the provided context. Keep the final answer short, "
         "and put it inside <answer> </answer> tags."
     ),
+    "code": (
+        "You are a Python programming assistant. Write clean, correct Python code that passes the given tests. "
+        "The function name and signature must match exactly as specified in the test cases. The final code block "
+        "must not include the tests; do not include the tests in your answer. Do not include explanations or text "
+        "outside the code block. Output exactly one Python markdown code block containing only the final solution "
+        "code."
+    ),
     "countdown": (
         "Using the given numbers, each exactly once, and only + - * / and parentheses, write an "
         "expression equal to the target. Put the final expression inside <answer> </answer> tags."
@@ -76,6 +83,19 @@ class Task:
     # --- scoring ---------------------------------------------------------------------------
     def score(self, response: str, ex: Example) -> Verdict:
         raise NotImplementedError
+
+    def answer_key(self, response: str, ex: Example) -> str | None:
+        """The response's final answer in a canonical form, for Maj@K votes; None = no answer (abstain).
+
+        Two responses vote together iff their keys are equal, so the key must be normalized the same way
+        the verifier compares (e.g. numbers as reduced fractions, letters upper-case).
+        """
+        raise NotImplementedError
+
+    # --- evaluation ------------------------------------------------------------------------
+    def eval_examples(self, limit: int | None, seed: int = 0) -> list[Example]:
+        """The evaluation problems (a benchmark's test split; procedural tasks: ``limit`` fresh problems)."""
+        return self.splits(0, limit or 500, 0, seed)["heldout"]
 
     # --- validation ------------------------------------------------------------------------
     @classmethod

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from esbatch.tasks.base import Example, Task
-from esbatch.tasks.verify import Verdict, check_boxed_number
+from esbatch.tasks.verify import Verdict, check_boxed_number, number_key
 
 
 def gold_from_solution(solution: str) -> str:
@@ -82,3 +82,6 @@ class GSM8KTask(Task):
 
     def score(self, response: str, ex: Example) -> Verdict:
         return check_boxed_number(response, ex.answer)
+
+    def answer_key(self, response: str, ex: Example) -> str | None:
+        return number_key(response)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from esbatch.tasks.base import Example, Task, disjoint_splits
-from esbatch.tasks.verify import Verdict, check_boxed_number, check_countdown
+from esbatch.tasks.verify import Verdict, check_boxed_number, check_countdown, countdown_key, number_key
 
 
 class _GymTask(Task):
@@ -69,6 +69,9 @@ class ArithmeticTask(_GymTask):
 
     def score(self, response: str, ex: Example) -> Verdict:
         return check_boxed_number(response, ex.answer)
+
+    def answer_key(self, response: str, ex: Example) -> str | None:
+        return number_key(response)
 
 
 class ChainSumTask(ArithmeticTask):
@@ -134,3 +137,6 @@ class CountdownTask(_GymTask):
 
     def score(self, response: str, ex: Example) -> Verdict:
         return check_countdown(response, ex.meta["numbers"], ex.meta["target"])
+
+    def answer_key(self, response: str, ex: Example) -> str | None:
+        return countdown_key(response)

@@ -125,3 +125,17 @@ def check_countdown(response: str, numbers: list[int], target: int) -> Verdict:
     if Counter(used) != Counter(numbers):
         return Verdict.WRONG
     return Verdict.CORRECT if value == target else Verdict.WRONG
+
+
+def number_key(response: str) -> str | None:
+    """Maj@K vote key of a boxed numeric answer: the exact reduced fraction ('1/2' for 0.5 and \\frac{1}{2})."""
+    box = extract_boxed(response)
+    value = parse_number(box) if box is not None else None
+    return None if value is None else str(value)
+
+
+def countdown_key(response: str) -> str | None:
+    """Maj@K vote key of a Countdown answer: the <answer> expression without spaces (identical equations
+    vote together; different correct equations are different answers)."""
+    ans = extract_answer_tag(response)
+    return None if ans is None else "".join(ans.split()) or None

@@ -117,3 +117,57 @@ def test_memory_report_counts_master_and_theta0(tiny_backend_factory):
     r = b.memory_report()
     assert r["master_bytes"] == 2 * r["model_bytes"] == r["theta0_bytes"]
     assert tiny_backend_factory("float32", track_drift=False).memory_report()["theta0_bytes"] == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_token_entropy_equals_an_explicit_forward_pass(tiny_backend_factory, temperature):
+    """The meter's per-response mean entropy == H(softmax(logits / T)) recomputed from a full forward pass."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    from esbatch.backends.hf import _EntropyMeter
+
+    b = tiny_backend_factory()
+    prompt = b.chat_prompt([{"role": "user", "content": "what is 22+7?"}])
+    n = 1 if temperature == 0 else 3
+    s = SamplingParams(temperature=temperature, top_p=1.0, max_new_tokens=10, n=n, entropy=True)
+    gens = b.generate([prompt], s, seed=5)
+    assert len(gens) == n and all(g.entropy is not None and g.entropy > 0 for g in gens)
+
+    # the same call by hand, keeping the token ids
+    enc = b.tok([prompt], return_tensors="pt", add_special_tokens=False)
+    greedy = temperature == 0
+    gcfg = GenerationConfig(
+        do_sample=not greedy,
+        temperature=None if greedy else temperature,
+        top_p=None if greedy else 1.0,
+        top_k=None if greedy else 0,
+        max_new_tokens=10,
+        pad_token_id=b.tok.pad_token_id,
+        eos_token_id=b.eos_ids,
+        num_return_sequences=n,
+    )
+    torch.manual_seed(5)
+    meter = _EntropyMeter(b.eos_ids, temperature)
+    seqs = b.model.generate(**enc, generation_config=gcfg, logits_processor=LogitsProcessorList([meter]))
+    assert meter.means() == [g.entropy for g in gens]  # same seed, same samples, same numbers
+    L = enc["input_ids"].shape[1]
+    with torch.no_grad():
+        logits = b.model(input_ids=seqs).logits.double()
+    for r in range(n):
+        gen = seqs[r, L:].tolist()
+        stop = next((k + 1 for k, t in enumerate(gen) if t in b.eos_ids), len(gen))
+        hs = []
+        for k in range(stop):
+            lp = torch.log_softmax(logits[r, L - 1 + k] / (temperature or 1.0), -1)
+            hs.append(float(-(lp.exp() * lp).sum()))
+        assert gens[r].entropy == pytest.approx(sum(hs) / len(hs), rel=1e-4, abs=1e-5)
+        assert gens[r].n_tokens == stop
+
+
+def test_n_samples_per_prompt_are_prompt_major_and_batched(tiny_backend_factory):
+    b = tiny_backend_factory()  # batch_size 8: 4 samples x 2 prompts per generate() call
+    prompts = [b.chat_prompt([{"role": "user", "content": q}]) for q in ("1", "2", "3")]
+    gens = b.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=6, n=4), seed=0)
+    assert len(gens) == 12
+    with pytest.raises(ValueError, match="greedy"):
+        b.generate(prompts, SamplingParams(temperature=0.0, n=2), seed=0)

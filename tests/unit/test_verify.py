@@ -119,3 +119,14 @@ def test_countdown_exact_fractions():
 
 def test_answer_tag_multiline():
     assert extract_answer_tag("<answer>\n 1 + 2\n</answer>") == "1 + 2"
+
+
+def test_vote_keys_unify_equal_numbers_and_abstain_without_an_answer():
+    from esbatch.tasks.verify import countdown_key, number_key
+
+    assert number_key(r"so \boxed{0.5}") == number_key(r"\boxed{\frac{1}{2}}") == number_key(r"\boxed{1/2}") == "1/2"
+    assert number_key(r"\boxed{1,000}") == number_key(r"\boxed{1000.0}") == "1000"
+    assert number_key(r"\boxed{1} then \boxed{2}") == "2"  # the last box, as scored
+    assert number_key("**73**") is None and number_key(r"\boxed{seven}") is None
+    assert countdown_key("<answer> (3 + 5) * 2 </answer>") == "(3+5)*2"
+    assert countdown_key("no tags") is None and countdown_key("<answer>  </answer>") is None

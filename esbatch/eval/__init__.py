@@ -1,0 +1,1 @@
+"""Offline evaluation: sampled responses, scoring (incl. the code sandbox), metrics and plots."""

@@ -1,0 +1,450 @@
+"""`esbatch eval`: n sampled responses per problem (plus an optional greedy one), scored, saved, summarized.
+
+The eval folder (``<output_dir>/<name>/``) holds ``config.yaml``, ``samples/<task>.jsonl`` (one line per
+problem: every response with its tokens, entropy, verdict and normalized answer), ``metrics.json``,
+``table.csv`` / ``table.md`` (x100, like the paper's Tables 2, 3, 5) and ``passk.csv`` (Pass@K for K = 1..n).
+Samples are appended chunk by chunk (fsynced), so a killed eval continues where it stopped, and
+``esbatch eval --recompute DIR`` re-scores and re-tabulates without generating again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from esbatch.eval.config import EvalConfig, EvalTask
+from esbatch.metrics import mean_metrics, pass_at_k, problem_metrics
+
+
+@dataclass
+class WeightsSource:
+    """What is evaluated: a model (alias/dir/hub id/gguf), optionally an ES center on top, and the
+    training run to nest the eval's MLflow run under."""
+
+    model: Any
+    center: Path | None = None
+    parent_uri: str | None = None
+    parent_run_id: str | None = None
+    description: str = ""
+
+
+def resolve_weights(cfg: EvalConfig) -> WeightsSource:
+    from esbatch.config import load_config
+
+    if cfg.mlflow_run:
+        return _from_mlflow(cfg)
+    if cfg.checkpoint:
+        rd = Path(cfg.checkpoint)
+        train_cfg = load_config(str(rd / "config.yaml"))
+        meta = json.loads((rd / "run.json").read_text()) if (rd / "run.json").exists() else {}
+        center = rd / "center.safetensors"
+        if not center.exists():
+            raise FileNotFoundError(f"{rd}: no center.safetensors yet (the run has not saved a checkpoint)")
+        return WeightsSource(
+            train_cfg.model, center, meta.get("tracking_uri"), meta.get("mlflow_run_id"), f"ES center of {rd}"
+        )
+    return WeightsSource(cfg.model, description=f"base model {cfg.model.name}")
+
+
+def _from_mlflow(cfg: EvalConfig) -> WeightsSource:
+    """A training run id: use its run folder when it is on this machine, else its final_model artifact."""
+    from mlflow.tracking import MlflowClient
+
+    from esbatch.config import load_config
+
+    uri = cfg.tracking.uri or "sqlite:///esbatch-runs/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(cfg.mlflow_run)
+    p = run.data.params
+    rd = Path(p.get("run.output_dir", "")) / p.get("run.name", "")
+    if (rd / "center.safetensors").exists():
+        train_cfg = load_config(str(rd / "config.yaml"))
+        return WeightsSource(train_cfg.model, rd / "center.safetensors", uri, cfg.mlflow_run, f"ES center of {rd}")
+    names = {a.path for a in client.list_artifacts(cfg.mlflow_run)}
+    if "final_model" not in names:
+        raise FileNotFoundError(
+            f"MLflow run {cfg.mlflow_run}: its run folder {rd} is not here and it has no final_model artifact "
+            f"(train with tracking.log_model: true, or give checkpoint: RUN_FOLDER)"
+        )
+    local = client.download_artifacts(cfg.mlflow_run, "final_model", str(Path(cfg.output_dir) / cfg.name))
+    model = type(cfg.model)(**{**cfg.model.__dict__, "name": local, "gguf_file": None})
+    return WeightsSource(model, None, uri, cfg.mlflow_run, f"final_model of MLflow run {cfg.mlflow_run}")
+
+
+def build_generator(src: WeightsSource, batch_size: int) -> Any:
+    import torch
+    from safetensors.torch import load_file
+
+    from esbatch.backends.hf import HFGenerator
+    from esbatch.models import load_model_and_tokenizer
+
+    m = src.model
+    model, tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, m.dtype, m.device)
+    if src.center is not None:
+        state = load_file(str(src.center))
+        params = dict(model.named_parameters())
+        if set(params) != set(state):
+            raise KeyError(f"{src.center} and {m.name} disagree on parameters: {sorted(set(params) ^ set(state))[:5]}")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(state[name].to(p.dtype))
+    return HFGenerator(model, tok, batch_size=batch_size)
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def score_responses(task: Any, texts: list[str], exs: list[Any], workers: int) -> tuple[list[str], list[str | None]]:
+    """Verdicts and answer keys, scored in parallel threads (math-verify and the code sandbox block)."""
+    if hasattr(task, "score_many"):
+        verdicts = [str(v) for v in task.score_many(texts, exs)]
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            verdicts = [str(v) for v in pool.map(lambda a: task.score(*a), zip(texts, exs))]
+
+    def key(a: tuple[str, Any]) -> str | None:
+        try:
+            return task.answer_key(*a)
+        except NotImplementedError:
+            return None
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        keys = list(pool.map(key, zip(texts, exs)))
+    return verdicts, keys
+
+
+# ----------------------------------------------------------------------------- the eval folder
+
+
+class EvalDir:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.samples = self.path / "samples"
+
+    def sample_file(self, label: str) -> Path:
+        return self.samples / f"{label.replace('/', '_')}.jsonl"
+
+    def read_samples(self, label: str) -> list[dict[str, Any]]:
+        f = self.sample_file(label)
+        if not f.exists():
+            return []
+        rows, good = [], 0
+        with open(f, "rb") as fh:
+            for line in fh:
+                if not line.endswith(b"\n"):
+                    break
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break
+                good += len(line)
+        if good != f.stat().st_size:  # a torn tail from a killed eval: cut it so appends stay valid JSONL
+            with open(f, "r+b") as fh:
+                fh.truncate(good)
+        return rows
+
+    def append(self, label: str, rows: list[dict[str, Any]]) -> None:
+        self.samples.mkdir(parents=True, exist_ok=True)
+        with open(self.sample_file(label), "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _chunk_seed(seed: int, label: str, start: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{label}/{start}".encode(), digest_size=4).digest(), "little")
+
+
+def few_shot_demos(task: Any, k: int, exs: list[Any], seed: int) -> list[Any]:
+    """k solved demonstrations from the task's demo pool, never one of the evaluated questions."""
+    if not k:
+        return []
+    asked = {e.question for e in exs}
+    pool = task.splits(0, 0, k + len(asked), 10_007 + seed)["demo"]
+    demos = [d for d in pool if d.question not in asked][:k]
+    if len(demos) < k:
+        raise ValueError(f"{type(task).__name__}: only {len(demos)} demonstrations outside the evaluated problems")
+    return demos
+
+
+def run_task(cfg: EvalConfig, et: EvalTask, gen: Any, ed: EvalDir, progress: bool = True) -> dict[str, Any]:
+    """Generate and score every problem of one task not yet in its samples file; returns throughput."""
+    from tqdm.auto import tqdm
+
+    from esbatch.backends.base import SamplingParams
+    from esbatch.tasks import TASKS
+
+    label = et.label or et.name
+    task = TASKS.get(et.name)(et.data_path, **et.params)
+    exs = task.eval_examples(et.limit, cfg.sampling.seed)
+    if et.limit:
+        exs = exs[: et.limit]
+    demos = few_shot_demos(task, et.few_shot, exs, cfg.sampling.seed)
+    s = cfg.sampling
+    max_new = et.max_new_tokens or s.max_new_tokens
+    sampled = SamplingParams(s.temperature, s.top_p, max_new, n=s.n, entropy=True)
+    greedy = SamplingParams(0.0, 1.0, max_new, n=1, entropy=True)
+    per_chunk = max(1, s.batch_size // s.n) * 4  # fixed chunk boundaries keep resumed evals reproducible
+    done = {r["i"] for r in ed.read_samples(label)}
+    workers = cfg.score_workers or os.cpu_count() or 1
+    tokens, gen_s = 0, 0.0
+    bar = tqdm(total=len(exs), initial=len(done), desc=label, unit="prob", disable=not progress, dynamic_ncols=True)
+    for start in range(0, len(exs), per_chunk):
+        idx = [i for i in range(start, min(start + per_chunk, len(exs))) if i not in done]
+        if not idx:
+            continue
+        chunk = [exs[i] for i in idx]
+        prompts = [gen.chat_prompt(task.messages(ex, demos, None)) for ex in chunk]
+        t0 = time.perf_counter()
+        gens = gen.generate(prompts, sampled, _chunk_seed(s.seed, label, start))
+        greedy_gens = gen.generate(prompts, greedy, 0) if s.greedy else []
+        gen_s += time.perf_counter() - t0
+        tokens += sum(g.n_tokens for g in gens) + sum(g.n_tokens for g in greedy_gens)
+        texts = [g.text for g in gens] + [g.text for g in greedy_gens]
+        owners = [ex for ex in chunk for _ in range(s.n)] + chunk[: len(greedy_gens)]
+        verdicts, keys = score_responses(task, texts, owners, workers)
+        rows = []
+        for j, (i, ex) in enumerate(zip(idx, chunk)):
+            samples = [
+                {
+                    "text": gens[j * s.n + m].text,
+                    "n_tokens": gens[j * s.n + m].n_tokens,
+                    "entropy": gens[j * s.n + m].entropy,
+                    "verdict": verdicts[j * s.n + m],
+                    "key": keys[j * s.n + m],
+                }
+                for m in range(s.n)
+            ]
+            row = {"i": i, "question": ex.question, "gold": ex.answer, "samples": samples}
+            if greedy_gens:
+                g, k = len(gens) + j, greedy_gens[j]
+                row["greedy"] = {
+                    "text": k.text,
+                    "n_tokens": k.n_tokens,
+                    "entropy": k.entropy,
+                    "verdict": verdicts[g],
+                    "key": keys[g],
+                }
+            rows.append(row)
+        ed.append(label, rows)
+        bar.update(len(idx))
+        bar.set_postfix({"tok/s": f"{tokens / max(gen_s, 1e-9):.1f}"})
+    bar.close()
+    return {"tokens": tokens, "generation_s": gen_s}
+
+
+def rescore(cfg: EvalConfig, et: EvalTask, ed: EvalDir) -> None:
+    """Re-run the verifier over saved responses (after a verifier fix), rewriting the samples file."""
+    from esbatch.tasks import TASKS
+    from esbatch.tasks.base import Example
+
+    label = et.label or et.name
+    task = TASKS.get(et.name)(et.data_path, **et.params)
+    rows = ed.read_samples(label)
+    by_i = {i: ex for i, ex in enumerate(task.eval_examples(et.limit, cfg.sampling.seed))}
+    texts, owners, where = [], [], []
+    for r in rows:
+        ex = by_i.get(r["i"]) or Example(r["question"], r["gold"])
+        for m, smp in enumerate(r["samples"]):
+            texts.append(smp["text"]), owners.append(ex), where.append((r, m))
+        if "greedy" in r:
+            texts.append(r["greedy"]["text"]), owners.append(ex), where.append((r, -1))
+    verdicts, keys = score_responses(task, texts, owners, cfg.score_workers or os.cpu_count() or 1)
+    for (r, m), v, k in zip(where, verdicts, keys):
+        target = r["greedy"] if m == -1 else r["samples"][m]
+        target["verdict"], target["key"] = v, k
+    f = ed.sample_file(label)
+    tmp = f.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, f)
+
+
+# ----------------------------------------------------------------------------- metrics and tables
+
+
+def task_metrics(rows: list[dict[str, Any]], ks: list[int]) -> dict[str, float]:
+    per = []
+    for r in rows:
+        correct = [smp["verdict"] == "correct" for smp in r["samples"]]
+        m = problem_metrics(correct, [smp["key"] for smp in r["samples"]], ks, [smp["entropy"] for smp in r["samples"]])
+        if "greedy" in r:
+            m["greedy"] = float(r["greedy"]["verdict"] == "correct")
+        m["format"] = sum(smp["verdict"] != "missing" for smp in r["samples"]) / len(r["samples"])
+        per.append(m)
+    out = mean_metrics(per)
+    out["problems"] = len(rows)
+    return out
+
+
+def passk_curve(rows: list[dict[str, Any]]) -> list[float]:
+    """Mean unbiased Pass@K over problems for K = 1..n."""
+    if not rows:
+        return []
+    n = len(rows[0]["samples"])
+    cs = [sum(smp["verdict"] == "correct" for smp in r["samples"]) for r in rows]
+    return [sum(pass_at_k(n, c, k) for c in cs) / len(cs) for k in range(1, n + 1)]
+
+
+def columns(ks: list[int], n: int, greedy: bool) -> list[str]:
+    cols = ["pass@1"] + [f"pass@{k}" for k in ks if 1 < k <= n] + [f"maj@{k}" for k in ks if 1 < k <= n]
+    return cols + (["greedy"] if greedy else []) + ["entropy"]
+
+
+def write_tables(ed: EvalDir, results: dict[str, dict[str, float]], cols: list[str], title: str) -> None:
+    """table.csv / table.md: tasks x metrics (x100 except entropy), plus the average over tasks."""
+    import csv
+
+    avg = {c: sum(r.get(c, 0.0) for r in results.values()) / max(len(results), 1) for c in cols}
+    rows = [*results.items(), ("Average", avg)]
+    with open(ed.path / "table.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["task", *cols, "problems"])
+        for name, r in rows:
+            w.writerow([name, *(f"{r.get(c, float('nan')):.6f}" for c in cols), r.get("problems", "")])
+
+    def fmt(c: str, v: float | None) -> str:
+        if v is None:
+            return "-"
+        return f"{v:.3f}" if c == "entropy" else f"{100 * v:.1f}"
+
+    head = [
+        c.replace("pass@", "Pass@")
+        .replace("maj@", "Maj@")
+        .replace("greedy", "Greedy")
+        .replace("entropy", "Entropy (nats)")
+        for c in cols
+    ]
+    lines = [f"# {title}", "", "| Task | " + " | ".join(head) + " |", "|---|" + "---:|" * len(cols)]
+    for name, r in rows:
+        cells = [fmt(c, r.get(c)) for c in cols]
+        if name == "Average":
+            cells = [f"**{x}**" for x in cells]
+            name = "**Average**"
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Values x100 (entropy in nats). Pass@K is the unbiased estimator; Maj@K votes over the first K "
+        "responses' normalized answers (no answer = abstain; ties go to the answer seen first).",
+    ]
+    (ed.path / "table.md").write_text("\n".join(lines) + "\n")
+
+
+def summarize(cfg: EvalConfig, ed: EvalDir) -> dict[str, Any]:
+    results, curves = {}, {}
+    for et in cfg.task_list():
+        label = et.label or et.name
+        rows = ed.read_samples(label)
+        if rows:
+            results[label] = task_metrics(rows, cfg.ks)
+            curves[label] = passk_curve(rows)
+    cols = columns(cfg.ks, cfg.sampling.n, cfg.sampling.greedy)
+    write_tables(ed, results, cols, f"{cfg.name}: {cfg.model.name}")
+    with open(ed.path / "passk.csv", "w") as f:
+        f.write("task,k,pass_at_k\n")
+        for label, curve in curves.items():
+            for k, v in enumerate(curve, 1):
+                f.write(f"{label},{k},{v:.6f}\n")
+    summary = {"tasks": results, "columns": cols, "n": cfg.sampling.n, "name": cfg.name}
+    (ed.path / "metrics.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def evaluate(cfg: EvalConfig, *, progress: bool = True, recompute: bool = False) -> dict[str, Any]:
+    """Run (or continue, or only re-score) an eval; logs to MLflow; returns the summary."""
+    ed = EvalDir(Path(cfg.output_dir) / cfg.name)
+    ed.path.mkdir(parents=True, exist_ok=True)
+    (ed.path / "config.yaml").write_text(_yaml(cfg.to_dict()))
+    src = resolve_weights(cfg)
+    throughput: dict[str, dict[str, float]] = {}
+    t0 = time.perf_counter()
+    if recompute:
+        for et in cfg.task_list():
+            rescore(cfg, et, ed)
+    else:
+        if cfg.threads:
+            import torch
+
+            torch.set_num_threads(cfg.threads)
+        gen = build_generator(src, cfg.sampling.batch_size)
+        for et in cfg.task_list():
+            throughput[et.label or et.name] = run_task(cfg, et, gen, ed, progress)
+    summary = summarize(cfg, ed)
+    tok = sum(t["tokens"] for t in throughput.values())
+    gs = sum(t["generation_s"] for t in throughput.values())
+    summary.update(
+        source=src.description,
+        wall_s=time.perf_counter() - t0,
+        tokens=tok,
+        generation_s=gs,
+        tokens_per_s=tok / gs if gs else None,
+    )
+    (ed.path / "metrics.json").write_text(json.dumps(summary, indent=1))
+    from esbatch.eval.plots import plot_passk
+
+    plot_passk([ed.path], ed.path / "passk.png")
+    summary["mlflow_run_id"] = log_to_mlflow(cfg, ed, src, summary)
+    (ed.path / "metrics.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _yaml(d: dict[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(d, sort_keys=False)
+
+
+def log_to_mlflow(cfg: EvalConfig, ed: EvalDir, src: WeightsSource, summary: dict[str, Any]) -> str:
+    """One MLflow run per eval, nested under the training run when one was evaluated."""
+    from mlflow.tracking import MlflowClient
+
+    from esbatch.config import flatten
+    from esbatch.tracking import MLflowTracker, default_tracking_uri, run_tags
+
+    uri = src.parent_uri or cfg.tracking.uri or default_tracking_uri(cfg.output_dir)
+    experiment = cfg.tracking.experiment
+    tags = {**run_tags(), "esbatch.kind": "eval", "eval.source": src.description}
+    if src.parent_run_id:
+        parent = MlflowClient(tracking_uri=uri).get_run(src.parent_run_id)
+        experiment = MlflowClient(tracking_uri=uri).get_experiment(parent.info.experiment_id).name
+        tags["mlflow.parentRunId"] = src.parent_run_id
+    tr = MLflowTracker(uri, experiment, Path(cfg.output_dir) / "mlartifacts")
+    meta_path = ed.path / "mlflow.json"
+    prev = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    labels = ",".join(t.label or t.name for t in cfg.task_list())
+    run_id = tr.start(
+        f"eval {cfg.name}",
+        flatten({**cfg.to_dict(), "tasks": labels}),
+        tags,
+        run_id=prev.get("run_id") if prev.get("uri") == uri else None,
+    )
+    meta_path.write_text(json.dumps({"uri": uri, "run_id": run_id}))
+    import re
+
+    def name(label: str, col: str) -> str:  # MLflow allows no '@': pass@16 -> GSM8K/pass_at_16
+        return re.sub(r"[^\w\-. :/]", "_", f"{label}/{col.replace('@', '_at_')}")
+
+    metrics = {}
+    for label, r in summary["tasks"].items():
+        for c in summary["columns"]:
+            if c in r:
+                metrics[name(label, c)] = r[c]
+    for c in summary["columns"]:
+        vals = [r[c] for r in summary["tasks"].values() if c in r]
+        if vals:
+            metrics[name("average", c)] = sum(vals) / len(vals)
+    if summary.get("tokens_per_s"):
+        metrics["throughput/tokens_per_s"] = summary["tokens_per_s"]
+    tr.log_metrics(metrics, step=0)
+    for f in ("table.md", "table.csv", "metrics.json", "passk.csv", "passk.png", "config.yaml"):
+        if (ed.path / f).exists():
+            tr.log_artifact(ed.path / f)
+    tr.log_artifacts(ed.samples, "samples")
+    tr.end("FINISHED")
+    return run_id

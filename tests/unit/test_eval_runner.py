@@ -1,0 +1,118 @@
+"""esbatch eval on the tiny model: saved samples, metrics recomputed by hand, resume, re-score, nesting."""
+
+import json
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from esbatch.config import ConfigError
+from esbatch.eval.config import eval_config_from_dict, load_eval_config
+from esbatch.eval.runner import EvalDir, evaluate, passk_curve
+from esbatch.metrics import pass_at_k
+
+
+def cfg_dict(tmp, model_dir, **extra):
+    d = {
+        "name": "ev",
+        "output_dir": str(tmp / "evals"),
+        "model": {"name": str(model_dir), "dtype": "float32"},
+        "sampling": {"n": 4, "temperature": 1.0, "max_new_tokens": 6, "greedy": True, "batch_size": 8},
+        "ks": [1, 2, 4],
+        "tracking": {"experiment": "evals", "uri": f"sqlite:///{tmp / 'mlflow.db'}"},
+        "tasks": [{"name": "toy:DigitTask", "params": {"size": 16}, "limit": 6, "few_shot": 1}],
+    }
+    d.update(extra)
+    return d
+
+
+def test_metrics_match_the_saved_samples(tmp_path, tiny_model_dir):
+    cfg = eval_config_from_dict(cfg_dict(tmp_path, tiny_model_dir))
+    s = evaluate(cfg, progress=False)
+    ed = EvalDir(tmp_path / "evals" / "ev")
+    rows = ed.read_samples("toy:DigitTask")
+    assert [r["i"] for r in rows] == list(range(6)) and all(len(r["samples"]) == 4 and "greedy" in r for r in rows)
+    assert all(
+        smp["entropy"] > 0 and smp["verdict"] in ("correct", "wrong", "missing") for r in rows for smp in r["samples"]
+    )
+    got = s["tasks"]["toy:DigitTask"]
+    cs = [sum(smp["verdict"] == "correct" for smp in r["samples"]) for r in rows]
+    assert got["pass@1"] == pytest.approx(sum(c / 4 for c in cs) / 6)
+    assert got["pass@4"] == pytest.approx(sum(c > 0 for c in cs) / 6)
+    assert got["pass@2"] == pytest.approx(sum(pass_at_k(4, c, 2) for c in cs) / 6)
+    assert got["greedy"] == pytest.approx(sum(r["greedy"]["verdict"] == "correct" for r in rows) / 6)
+    assert passk_curve(rows)[-1] == pytest.approx(got["pass@4"])
+    table = (ed.path / "table.md").read_text()
+    assert "| toy:DigitTask |" in table and f"{100 * got['pass@1']:.1f}" in table and "**Average**" in table
+    assert (ed.path / "passk.png").stat().st_size > 5000
+    assert s["tokens"] > 0 and s["tokens_per_s"] > 0
+    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(s["mlflow_run_id"])
+    assert run.data.metrics["toy:DigitTask/pass_at_4"] == pytest.approx(got["pass@4"])
+    assert run.data.metrics["average/pass_at_1"] == pytest.approx(got["pass@1"])
+
+
+def test_a_killed_eval_resumes_and_recompute_does_not_generate(tmp_path, tiny_model_dir, monkeypatch):
+    import esbatch.eval.runner as runner
+
+    d = cfg_dict(tmp_path, tiny_model_dir)
+    d["sampling"]["batch_size"] = 4  # chunks of 4 problems: [0-3], [4-5]
+    evaluate(eval_config_from_dict(d), progress=False)
+    ed = EvalDir(tmp_path / "evals" / "ev")
+    f = ed.sample_file("toy:DigitTask")
+    full = f.read_text()
+    lines = full.splitlines(keepends=True)
+    f.write_text("".join(lines[:4]) + lines[4][:30])  # killed while writing the second chunk
+    evaluate(eval_config_from_dict(d), progress=False)
+    assert f.read_text() == full  # the torn line is cut, chunk 2 regenerated with its own seed: same samples
+
+    # re-scoring reads the saved texts: no model is even loaded
+    monkeypatch.setattr(runner, "build_generator", lambda *a, **k: pytest.fail("recompute must not generate"))
+    s = evaluate(eval_config_from_dict(d), progress=False, recompute=True)
+    assert s["tasks"]["toy:DigitTask"]["problems"] == 6
+
+
+def test_checkpoint_eval_is_nested_under_the_training_run(tmp_path, tiny_model_dir):
+    from esbatch.config import config_from_dict
+    from esbatch.es.trainer import train
+
+    train_cfg = config_from_dict(
+        {
+            "run": {"name": "r", "output_dir": str(tmp_path / "runs"), "threads": 1},
+            "model": {"name": str(tiny_model_dir)},
+            "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": 2, "few_shot": 1},
+            "generation": {"temperature": 1.0, "max_new_tokens": 4, "batch_size": 8},
+            "es": {"population_size": 2, "sigma": 0.05, "alpha": 0.02, "batch_size": 2, "updates": 1},
+            "eval": {"every": 0},
+            "tracking": {"experiment": "train"},
+        }
+    )
+    summary = train(train_cfg, tmp_path / "runs" / "r", progress=False)
+    cfg = eval_config_from_dict(cfg_dict(tmp_path, tiny_model_dir, checkpoint=str(tmp_path / "runs" / "r")))
+    s = evaluate(cfg, progress=False)
+    client = MlflowClient(summary["tracking_uri"])
+    run = client.get_run(s["mlflow_run_id"])
+    assert run.data.tags["mlflow.parentRunId"] == summary["mlflow_run_id"]
+    assert run.info.experiment_id == client.get_run(summary["mlflow_run_id"]).info.experiment_id
+    assert "ES center of" in s["source"]
+
+
+def test_eval_config_errors_name_the_key(tmp_path, tiny_model_dir):
+    bad = cfg_dict(tmp_path, tiny_model_dir, ks=[0, 16])
+    bad["tasks"] = [{"name": "gsm8", "lmit": 3}, {"name": "arithmetic", "params": {"digits": 2}}, "arithmetic"]
+    with pytest.raises(ConfigError) as e:
+        eval_config_from_dict(bad)
+    msg = str(e.value)
+    assert "tasks[0].lmit: unknown key. Did you mean 'limit'?" in msg
+    assert "tasks[0].name: unknown task 'gsm8'. Did you mean 'gsm8k'?" in msg
+    assert "tasks[1].params.digits: unknown parameter of this task" in msg
+    assert "tasks: 'arithmetic' appears twice" in msg and "ks: expected positive integers, got [0]" in msg
+
+
+def test_shipped_eval_configs_match_the_paper_protocol():
+    for name, tokens, greedy in (("eval-easy", 2048, True), ("eval-hard", 8192, False)):
+        c = load_eval_config(name)
+        assert (c.sampling.n, c.sampling.temperature, c.sampling.max_new_tokens) == (32, 0.6, tokens)
+        assert c.sampling.greedy is greedy and c.ks == [1, 16, 32]
+    assert [t.name for t in load_eval_config("eval-hard").task_list()] == ["aime2024", "aime2025", "amc2023", "math500"]
+    yaml.safe_dump(load_eval_config("eval-quick").to_dict())  # serializable as written to the eval folder
+    json.dumps(load_eval_config("eval-easy").to_dict())
