@@ -25,7 +25,8 @@ class _GymTask(Task):
             ds = reasoning_gym.create_dataset(self.gym_name, size=size, seed=s, **self._gym_config())
             return [self._convert(item) for item in ds]
 
-        return disjoint_splits(make, n_train or self.default_train_size, n_heldout, n_demo, seed)
+        n = self.default_train_size if n_train is None else n_train
+        return disjoint_splits(make, n, n_heldout, n_demo, seed)
 
 
 class ArithmeticTask(_GymTask):

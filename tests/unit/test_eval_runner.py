@@ -116,3 +116,22 @@ def test_shipped_eval_configs_match_the_paper_protocol():
     assert [t.name for t in load_eval_config("eval-hard").task_list()] == ["aime2024", "aime2025", "amc2023", "math500"]
     yaml.safe_dump(load_eval_config("eval-quick").to_dict())  # serializable as written to the eval folder
     json.dumps(load_eval_config("eval-easy").to_dict())
+
+
+def test_pareto_front_and_eval_plots(tmp_path, tiny_model_dir):
+    from esbatch.cli import main
+    from esbatch.eval.plots import pareto_front
+
+    pts = [(0.2, 0.5), (0.3, 0.4), (0.1, 0.6), (0.25, 0.45), (0.3, 0.3), (0.05, 0.55)]
+    assert pareto_front(pts) == [2, 0, 3, 1]  # (0.3, 0.3) and (0.05, 0.55) are dominated
+    dirs = []
+    for name, temp in (("a", 1.0), ("b", 0.7)):
+        d = cfg_dict(tmp_path, tiny_model_dir, name=name)
+        d["sampling"]["temperature"] = temp
+        evaluate(eval_config_from_dict(d), progress=False)
+        dirs.append(str(tmp_path / "evals" / name))
+    for kind, extra in (("passk", []), ("pareto", ["--k", "4"])):
+        out = tmp_path / f"{kind}.png"
+        assert main(["eval-plot", *dirs, "--kind", kind, "-o", str(out), *extra]) == 0
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+    assert main(["eval-plot", str(tmp_path), "--kind", "passk"]) == 2  # not an eval folder
