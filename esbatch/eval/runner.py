@@ -210,6 +210,7 @@ def run_task(cfg: EvalConfig, et: EvalTask, gen: Any, ed: EvalDir, progress: boo
         texts = [g.text for g in gens] + [g.text for g in greedy_gens]
         owners = [ex for ex in chunk for _ in range(s.n)] + chunk[: len(greedy_gens)]
         verdicts, keys = score_responses(task, texts, owners, workers)
+        f1 = [task.f1(t, ex) for t, ex in zip(texts, owners)] if hasattr(task, "f1") else None  # HotpotQA
         rows = []
         for j, (i, ex) in enumerate(zip(idx, chunk)):
             samples = [
@@ -222,6 +223,9 @@ def run_task(cfg: EvalConfig, et: EvalTask, gen: Any, ed: EvalDir, progress: boo
                 }
                 for m in range(s.n)
             ]
+            if f1 is not None:
+                for m, smp in enumerate(samples):
+                    smp["f1"] = f1[j * s.n + m]
             row = {"i": i, "question": ex.question, "gold": ex.answer, "samples": samples}
             if greedy_gens:
                 g, k = len(gens) + j, greedy_gens[j]
@@ -257,9 +261,12 @@ def rescore(cfg: EvalConfig, et: EvalTask, ed: EvalDir) -> None:
         if "greedy" in r:
             texts.append(r["greedy"]["text"]), owners.append(ex), where.append((r, -1))
     verdicts, keys = score_responses(task, texts, owners, cfg.score_workers or os.cpu_count() or 1)
-    for (r, m), v, k in zip(where, verdicts, keys):
+    f1 = [task.f1(t, ex) for t, ex in zip(texts, owners)] if hasattr(task, "f1") else None
+    for j, ((r, m), v, k) in enumerate(zip(where, verdicts, keys)):
         target = r["greedy"] if m == -1 else r["samples"][m]
         target["verdict"], target["key"] = v, k
+        if f1 is not None and m != -1:
+            target["f1"] = f1[j]
     f = ed.sample_file(label)
     tmp = f.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -277,6 +284,8 @@ def task_metrics(rows: list[dict[str, Any]], ks: list[int]) -> dict[str, float]:
         if "greedy" in r:
             m["greedy"] = float(r["greedy"]["verdict"] == "correct")
         m["format"] = sum(smp["verdict"] != "missing" for smp in r["samples"]) / len(r["samples"])
+        if "f1" in r["samples"][0]:  # token F1 (HotpotQA), mean over responses
+            m["f1"] = sum(smp["f1"] for smp in r["samples"]) / len(r["samples"])
         per.append(m)
     out = mean_metrics(per)
     out["problems"] = len(rows)
@@ -319,6 +328,7 @@ def write_tables(ed: EvalDir, results: dict[str, dict[str, float]], cols: list[s
         .replace("maj@", "Maj@")
         .replace("greedy", "Greedy")
         .replace("entropy", "Entropy (nats)")
+        .replace("f1", "F1")
         for c in cols
     ]
     lines = [f"# {title}", "", "| Task | " + " | ".join(head) + " |", "|---|" + "---:|" * len(cols)]
@@ -345,6 +355,8 @@ def summarize(cfg: EvalConfig, ed: EvalDir) -> dict[str, Any]:
             results[label] = task_metrics(rows, cfg.ks)
             curves[label] = passk_curve(rows)
     cols = columns(cfg.ks, cfg.sampling.n, cfg.sampling.greedy)
+    if any("f1" in r for r in results.values()):
+        cols.insert(cols.index("entropy"), "f1")
     write_tables(ed, results, cols, f"{cfg.name}: {cfg.model.name}")
     with open(ed.path / "passk.csv", "w") as f:
         f.write("task,k,pass_at_k\n")

@@ -94,6 +94,12 @@ def test_checkpoint_eval_is_nested_under_the_training_run(tmp_path, tiny_model_d
     assert run.data.tags["mlflow.parentRunId"] == summary["mlflow_run_id"]
     assert run.info.experiment_id == client.get_run(summary["mlflow_run_id"]).info.experiment_id
     assert "ES center of" in s["source"]
+    # the same weights found from the training run's MLflow id alone
+    d = cfg_dict(tmp_path, tiny_model_dir, name="by-id", mlflow_run=summary["mlflow_run_id"])
+    d["tracking"]["uri"] = summary["tracking_uri"]
+    s2 = evaluate(eval_config_from_dict(d), progress=False)
+    assert client.get_run(s2["mlflow_run_id"]).data.tags["mlflow.parentRunId"] == summary["mlflow_run_id"]
+    assert s2["tasks"] == s["tasks"]  # same center, same seeds: same samples and metrics
 
 
 def test_eval_config_errors_name_the_key(tmp_path, tiny_model_dir):
@@ -135,3 +141,30 @@ def test_pareto_front_and_eval_plots(tmp_path, tiny_model_dir):
         assert main(["eval-plot", *dirs, "--kind", kind, "-o", str(out), *extra]) == 0
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
     assert main(["eval-plot", str(tmp_path), "--kind", "passk"]) == 2  # not an eval folder
+
+
+def test_the_paper_suite_runs_end_to_end_on_fixtures(tmp_path, tiny_model_dir):
+    """Every eval task through the runner (tiny model: mostly unanswered, which must score as such)."""
+    from pathlib import Path
+
+    fx = Path(__file__).resolve().parents[1] / "fixtures"
+    d = cfg_dict(tmp_path, tiny_model_dir, ks=[1, 2])
+    d["sampling"].update(n=2, greedy=False)
+    d["tasks"] = [
+        {"name": name, "data_path": str(fx / f), "limit": 2}
+        for name, f in (
+            ("math500", "math500_tiny.jsonl"),
+            ("commonsenseqa", "csqa_tiny.jsonl"),
+            ("gpqa", "gpqa_tiny.jsonl"),
+            ("hotpotqa", "hotpotqa_tiny.jsonl"),
+            ("mbpp", "mbpp_tiny.jsonl"),
+            ("aime2024", "aime_tiny.jsonl"),
+            ("amc2023", "amc_tiny.jsonl"),
+        )
+    ]
+    s = evaluate(eval_config_from_dict(d), progress=False)
+    assert set(s["tasks"]) == {"math500", "commonsenseqa", "gpqa", "hotpotqa", "mbpp", "aime2024", "amc2023"}
+    assert all(r["problems"] == 2 for r in s["tasks"].values())
+    assert "f1" in s["columns"] and "f1" in s["tasks"]["hotpotqa"] and "f1" not in s["tasks"]["math500"]
+    table = (tmp_path / "evals" / "ev" / "table.md").read_text()
+    assert "| F1 |" in table and "| hotpotqa |" in table and "| mbpp |" in table
