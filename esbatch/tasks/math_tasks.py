@@ -161,19 +161,23 @@ class _MathScoring:
 
 
 class MathBenchmarkTask(_MathScoring, BenchmarkTask):
+    """A math benchmark: subclasses name their hub release in ``default_hub_id`` (``hub_id`` overrides it)."""
+
     family = "math"
+    default_hub_id: str = ""
 
     def __init__(
         self,
         data_path: str | None = None,
         *,
-        hub_id: str,
-        split: str,
+        hub_id: str | None = None,
+        split: str = "test",
         revision: str | None = None,
         demo_path: str | None = None,
         timeout_s: float = 5.0,
     ) -> None:
-        super().__init__(data_path, hub_id=hub_id, split=split, revision=revision, demo_path=demo_path)
+        hub = hub_id or self.default_hub_id
+        super().__init__(data_path, hub_id=hub, split=split, revision=revision, demo_path=demo_path)
         self.timeout_s = timeout_s
 
     def _convert(self, row: dict[str, Any]) -> Example:
@@ -184,80 +188,28 @@ class Math500Task(MathBenchmarkTask):
     """MATH-500 (Lightman et al., 2023): 500 MATH test problems; fields problem/answer/solution."""
 
     title = "MATH-500"
-
-    def __init__(
-        self,
-        data_path: str | None = None,
-        *,
-        hub_id: str = "HuggingFaceH4/MATH-500",
-        split: str = "test",
-        revision: str | None = None,
-        demo_path: str | None = None,
-        timeout_s: float = 5.0,
-    ) -> None:
-        super().__init__(
-            data_path, hub_id=hub_id, split=split, revision=revision, demo_path=demo_path, timeout_s=timeout_s
-        )
+    default_hub_id = "HuggingFaceH4/MATH-500"
 
 
 class AIME2024Task(MathBenchmarkTask):
     r"""AIME 2024 I+II, 30 problems (math-ai/aime24: fields problem, solution = ``\boxed{N}``)."""
 
     title = "AIME 2024"
-
-    def __init__(
-        self,
-        data_path: str | None = None,
-        *,
-        hub_id: str = "math-ai/aime24",
-        split: str = "test",
-        revision: str | None = None,
-        demo_path: str | None = None,
-        timeout_s: float = 5.0,
-    ) -> None:
-        super().__init__(
-            data_path, hub_id=hub_id, split=split, revision=revision, demo_path=demo_path, timeout_s=timeout_s
-        )
+    default_hub_id = "math-ai/aime24"
 
 
 class AIME2025Task(MathBenchmarkTask):
     """AIME 2025 I+II, 30 problems (math-ai/aime25: fields problem, answer)."""
 
     title = "AIME 2025"
-
-    def __init__(
-        self,
-        data_path: str | None = None,
-        *,
-        hub_id: str = "math-ai/aime25",
-        split: str = "test",
-        revision: str | None = None,
-        demo_path: str | None = None,
-        timeout_s: float = 5.0,
-    ) -> None:
-        super().__init__(
-            data_path, hub_id=hub_id, split=split, revision=revision, demo_path=demo_path, timeout_s=timeout_s
-        )
+    default_hub_id = "math-ai/aime25"
 
 
 class AMC2023Task(MathBenchmarkTask):
     """AMC 2023, 40 problems (math-ai/amc23: fields question, answer)."""
 
     title = "AMC 2023"
-
-    def __init__(
-        self,
-        data_path: str | None = None,
-        *,
-        hub_id: str = "math-ai/amc23",
-        split: str = "test",
-        revision: str | None = None,
-        demo_path: str | None = None,
-        timeout_s: float = 5.0,
-    ) -> None:
-        super().__init__(
-            data_path, hub_id=hub_id, split=split, revision=revision, demo_path=demo_path, timeout_s=timeout_s
-        )
+    default_hub_id = "math-ai/amc23"
 
 
 # ----------------------------------------------------------------------------- training set
