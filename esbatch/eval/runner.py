@@ -346,7 +346,7 @@ def write_tables(ed: EvalDir, results: dict[str, dict[str, float]], cols: list[s
     (ed.path / "table.md").write_text("\n".join(lines) + "\n")
 
 
-def summarize(cfg: EvalConfig, ed: EvalDir) -> dict[str, Any]:
+def summarize(cfg: EvalConfig, ed: EvalDir, source: str = "") -> dict[str, Any]:
     results, curves = {}, {}
     for et in cfg.task_list():
         label = et.label or et.name
@@ -357,7 +357,7 @@ def summarize(cfg: EvalConfig, ed: EvalDir) -> dict[str, Any]:
     cols = columns(cfg.ks, cfg.sampling.n, cfg.sampling.greedy)
     if any("f1" in r for r in results.values()):
         cols.insert(cols.index("entropy"), "f1")
-    write_tables(ed, results, cols, f"{cfg.name}: {cfg.model.name}")
+    write_tables(ed, results, cols, f"{cfg.name}: {source or cfg.model.name}")
     with open(ed.path / "passk.csv", "w") as f:
         f.write("task,k,pass_at_k\n")
         for label, curve in curves.items():
@@ -387,7 +387,7 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, recompute: bool = False)
         gen = build_generator(src, cfg.sampling.batch_size)
         for et in cfg.task_list():
             throughput[et.label or et.name] = run_task(cfg, et, gen, ed, progress)
-    summary = summarize(cfg, ed)
+    summary = summarize(cfg, ed, src.description)
     tok = sum(t["tokens"] for t in throughput.values())
     gs = sum(t["generation_s"] for t in throughput.values())
     summary.update(
