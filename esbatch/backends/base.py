@@ -28,6 +28,7 @@ class Generation:
     text: str
     n_tokens: int  # generated tokens, EOS included when it was produced
     entropy: float | None = None  # mean over the response's tokens of H(p_t), p_t = the sampling distribution
+    token_ids: list[int] | None = None  # the sampled tokens (GRPO scores these, not a re-tokenized text)
 
 
 @dataclass

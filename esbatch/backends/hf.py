@@ -70,7 +70,7 @@ class HFGenerator:
                         n_tok = k + 1
                         break
                 text = self.tok.decode(row[:n_tok], skip_special_tokens=True)
-                out.append(Generation(text, n_tok, None if ent is None else ent[r]))
+                out.append(Generation(text, n_tok, None if ent is None else ent[r], row[:n_tok]))
         return out
 
 

@@ -90,10 +90,11 @@ class Sweep:
 
 def run_key(cfg: TrainConfig) -> str:
     """Stable 12-hex id of a resolved config, ignoring names, folders, budgets and tracking."""
+    unused = ("grpo.",) if cfg.algorithm == "es" else ("es.",)  # the other algorithm's section is inert
     flat = {
         k: v
         for k, v in flatten(cfg.to_dict()).items()
-        if k not in KEY_EXCLUDED and not k.startswith(KEY_EXCLUDED_PREFIXES)
+        if k not in KEY_EXCLUDED and not k.startswith(KEY_EXCLUDED_PREFIXES + unused)
     }
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
