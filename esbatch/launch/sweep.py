@@ -89,12 +89,17 @@ class Sweep:
 
 
 def run_key(cfg: TrainConfig) -> str:
-    """Stable 12-hex id of a resolved config, ignoring names, folders, budgets and tracking."""
+    """Stable 12-hex id of a resolved config, ignoring names, folders, budgets and tracking.
+
+    Only values that differ from the schema's defaults are hashed, so adding a config field (with a
+    default) in a later esbatch version does not change the ids of existing runs.
+    """
     unused = ("grpo.",) if cfg.algorithm == "es" else ("es.",)  # the other algorithm's section is inert
+    defaults = flatten(TrainConfig().to_dict())
     flat = {
         k: v
         for k, v in flatten(cfg.to_dict()).items()
-        if k not in KEY_EXCLUDED and not k.startswith(KEY_EXCLUDED_PREFIXES + unused)
+        if k not in KEY_EXCLUDED and not k.startswith(KEY_EXCLUDED_PREFIXES + unused) and defaults.get(k, k) != v
     }
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
