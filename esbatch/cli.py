@@ -64,6 +64,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     if cfg.algorithm == "grpo":
         return _train_grpo(cfg, run_dir, args)
+    if cfg.algorithm == "pipeline":
+        from esbatch.pipeline import run_pipeline
+
+        try:
+            s = run_pipeline(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress)
+        except KeyboardInterrupt:
+            print(f"\ninterrupted. Continue with: esbatch train --resume {run_dir}", file=sys.stderr)
+            return 130
+        print(f"\ndone: pipeline {' -> '.join(cfg.pipeline.stages)} in {s['run_dir']}")
+        for st in s["stages"]:
+            print(f"  {st['name']}: {st['run_dir']} (MLflow run {st['mlflow_run_id']})")
+        print(f"final weights: {s['center']}; MLflow parent run {s['mlflow_run_id']} in {s['tracking_uri']}")
+        return 0
     try:
         s = train(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress)
     except KeyboardInterrupt:

@@ -77,6 +77,9 @@ class ModelConfig:
         "Compute dtype of the live weights. With bfloat16/float16 an fp32 master copy keeps small updates.",
         choices=("float32", "bfloat16", "float16"),
     )
+    init_weights: str | None = _f(
+        None, "Start from these fp32 weights (center.safetensors of an earlier run or pipeline stage)."
+    )
 
 
 @dataclass
@@ -156,6 +159,13 @@ class GRPOConfig:
 
 
 @dataclass
+class PipelineConfig:
+    stages: list = _f([], "Algorithms run one after the other, each from the previous one's weights: [es, grpo].")
+    split: list | None = _f(None, "Share of the total budget per stage (default: equal), e.g. [0.5, 0.5].")
+    updates: int | None = _f(None, "Total update budget shared by the stages.", ge=1)
+
+
+@dataclass
 class EvalConfig:
     every: int = _f(0, "Score the center greedily on the held-out set every k updates (0 = start/end only).", ge=0)
     max_new_tokens: int | None = _f(None, "Token limit for held-out scoring (None = generation.max_new_tokens).", ge=1)
@@ -167,6 +177,7 @@ class TrackingConfig:
     experiment: str = _f("esbatch", "MLflow experiment name.")
     log_model: bool = _f(False, "Save the final center in HF format as a run artifact.")
     drift: bool = _f(True, "Keep an fp32 copy of theta_0 to log the center's relative distance from it.")
+    parent_run_id: str | None = _f(None, "Nest this run's MLflow run under this one (pipelines set it).")
 
 
 @dataclass
@@ -181,7 +192,9 @@ class BackendConfig:
 
 @dataclass
 class TrainConfig:
-    algorithm: str = _f("es", "Training algorithm.", choices=("es", "grpo"))
+    algorithm: str = _f(
+        "es", "Training algorithm (pipeline: the stages of `pipeline`).", choices=("es", "grpo", "pipeline")
+    )
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -189,6 +202,7 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     es: ESConfig = field(default_factory=ESConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -314,9 +328,23 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
 
     es = cfg.es
     algo = cfg.algorithm
-    budget = cfg.grpo if algo == "grpo" else es
-    if (budget.updates is None) == (budget.epochs is None):
-        errors.append(f"{algo}.updates / {algo}.epochs: set exactly one training budget (e.g. {algo}.updates: 300)")
+    if algo == "pipeline":
+        p = cfg.pipeline
+        bad = [s for s in p.stages if s not in ("es", "grpo")]
+        if not p.stages or bad:
+            errors.append(f"pipeline.stages: expected a list of es / grpo, e.g. [es, grpo]; got {p.stages!r}")
+        if p.updates is None:
+            errors.append("pipeline.updates: set the total update budget the stages share (e.g. 300)")
+        elif p.updates < len(p.stages):
+            errors.append(f"pipeline.updates: {p.updates} updates cannot be split over {len(p.stages)} stages")
+        if p.split is not None and (
+            len(p.split) != len(p.stages) or not all(isinstance(x, (int, float)) and x > 0 for x in p.split)
+        ):
+            errors.append(f"pipeline.split: expected {len(p.stages)} positive shares, one per stage; got {p.split!r}")
+    else:
+        budget = cfg.grpo if algo == "grpo" else es
+        if (budget.updates is None) == (budget.epochs is None):
+            errors.append(f"{algo}.updates / {algo}.epochs: set exactly one training budget (e.g. {algo}.updates: 300)")
     if es.estimator == "antithetic" and es.population_size % 2:
         errors.append(
             f"es.population_size: antithetic pairs need an even N (got {es.population_size}); "

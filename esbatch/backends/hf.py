@@ -124,7 +124,12 @@ class HFBackend(HFGenerator, GenerationBackend):
 
         m = cfg.model
         model, tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, m.dtype, m.device)
-        return cls(model, tok, batch_size=cfg.generation.batch_size, track_drift=cfg.tracking.drift)
+        backend = cls(model, tok, batch_size=cfg.generation.batch_size, track_drift=cfg.tracking.drift)
+        if m.init_weights:  # an earlier stage's weights; theta_0 (drift) stays the base model
+            from safetensors.torch import load_file
+
+            backend.load_center(load_file(m.init_weights))
+        return backend
 
     # ---------------------------------------------------------------- weights
     @torch.no_grad()

@@ -128,6 +128,10 @@ def replay(backend: GenerationBackend, records: list[dict[str, Any]]) -> None:
         backend.update(r["update_seeds"], r["update_weights"], r["alpha"], r["n"])
 
 
+def _parent(cfg: TrainConfig) -> dict[str, str]:
+    return {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -185,7 +189,7 @@ def train(
     run_id = tracker.start(
         run_name or cfg.run.name,
         flatten(cfg.to_dict()),
-        {**run_tags(), "algorithm": "es", **(tags or {})},
+        {**run_tags(), "algorithm": "es", **(tags or {}), **_parent(cfg)},
         run_id=meta.get("mlflow_run_id") if resume else None,
     )
     rd.write_meta(mlflow_run_id=run_id, tracking_uri=uri, total_updates=total, status="running")

@@ -63,6 +63,10 @@ def _step_seed(seed: int, t: int, rank: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"grpo/{seed}/{t}/{rank}".encode(), digest_size=4).digest(), "little")
 
 
+def _parent(cfg: TrainConfig) -> dict[str, str]:
+    return {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}
+
+
 def checksum(model: Any) -> float:
     """A cheap fingerprint of the weights, compared across ranks."""
     import torch
@@ -214,6 +218,13 @@ def train_grpo(
         rd.config.write_text(cfg.to_yaml())
     dtype = "float32" if device == "cpu" else cfg.model.dtype
     model, tok = load_model_and_tokenizer(cfg.model.name, cfg.model.gguf_file, cfg.model.revision, dtype, device)
+    if cfg.model.init_weights:  # an earlier pipeline stage's weights
+        from safetensors.torch import load_file
+
+        state = load_file(cfg.model.init_weights)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(state[name].to(p.dtype))
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.grpo.beta > 0 else None
     model.requires_grad_(True)  # loaded for inference; the policy trains every parameter
     engine, *_ = deepspeed.initialize(
@@ -237,7 +248,7 @@ def train_grpo(
         run_id = tracker.start(
             run_name or cfg.run.name,
             flatten(cfg.to_dict()),
-            {**run_tags(), "algorithm": "grpo", "world_size": str(world), **(tags or {})},
+            {**run_tags(), "algorithm": "grpo", "world_size": str(world), **_parent(cfg), **(tags or {})},
             run_id=meta.get("mlflow_run_id") if resume else None,
         )
         rd.write_meta(mlflow_run_id=run_id, tracking_uri=uri, total_updates=total, status="running")

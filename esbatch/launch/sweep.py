@@ -94,7 +94,8 @@ def run_key(cfg: TrainConfig) -> str:
     Only values that differ from the schema's defaults are hashed, so adding a config field (with a
     default) in a later esbatch version does not change the ids of existing runs.
     """
-    unused = ("grpo.",) if cfg.algorithm == "es" else ("es.",)  # the other algorithm's section is inert
+    # sections the algorithm does not read are inert (a pipeline reads both es and grpo)
+    unused = {"es": ("grpo.", "pipeline."), "grpo": ("es.", "pipeline.")}.get(cfg.algorithm, ())
     defaults = flatten(TrainConfig().to_dict())
     flat = {
         k: v

@@ -57,6 +57,14 @@ def run_task(sweep_dir: str | Path, key: str, progress: bool = False) -> dict[st
     if resume:
         rd.config.write_text(cfg.to_yaml())  # only budgets/bookkeeping can differ: the key pins the rest
     print(f"esbatch task: sweep {meta['name']} run {key} ({entry['label']}) resume={resume}", flush=True)
+    if cfg.algorithm == "pipeline":
+        from esbatch.pipeline import run_pipeline
+
+        return run_pipeline(cfg, rd.path, resume=resume, progress=progress, run_name=entry["label"], tags=tags)
+    if cfg.algorithm == "grpo":  # one rank per array task here; multi-rank GRPO runs with `esbatch train`
+        from esbatch.grpo.trainer import train_grpo
+
+        return train_grpo(cfg, rd.path, resume=resume, progress=progress, run_name=entry["label"], tags=tags)
     return train(cfg, rd.path, resume=resume, progress=progress, run_name=entry["label"], tags=tags)
 
 

@@ -1,0 +1,223 @@
+"""Peak memory of one ES update vs one GRPO step vs inference alone (SmolLM2-135M-Instruct, fp32, CPU).
+
+    .venv/bin/python benchmarks/memory_es_vs_grpo.py --n 8 --g 8 --batch 8 --tokens 64 --threads 2 [--beta 0.04]
+
+Paper claim: ES needs about inference-level memory; GRPO adds gradients, optimizer state and activations.
+Each phase runs in its own fresh subprocess (ru_maxrss is a per-process high-water mark) on the same B
+prompts of the quickstart arithmetic task (the batch of update/step t = 0), with the same sampling settings:
+
+  infer-es    the ES update's N x B rollouts (N generate calls of B prompts), fixed weights, no ES state
+  es          one es_step: N x (perturb, generate, restore) + the update; tracking.drift false, i.e. the
+              minimum (drift tracking adds an fp32 theta_0 copy, P*4 bytes, shown in the accounting)
+  infer-grpo  the GRPO step's B x G rollouts (G samples per prompt, one batched call), fixed weights
+  grpo        one grpo_step on a DeepSpeed engine built as train_grpo builds it (world size 1, AdamW, ZeRO
+              stage from the config), beta 0: no reference model
+  grpo-ref    the same with beta = --beta: a frozen reference copy (only with --beta > 0)
+
+Per phase: RSS right after the model is loaded (weights paged in), RSS just before the step (ES master copy,
+DeepSpeed engine built), peak RSS, wall time of the step (or generation), generated tokens. Each training
+phase is compared with the inference phase that generates the same rollouts. Children run under an
+address-space limit (--max-gb, default 90% of available memory), so a phase that would exhaust a shared
+machine fails with an allocation error instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MB = 2**20
+
+
+def rss_now_mb() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MB
+
+
+def peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def make_cfg(args: argparse.Namespace, phase: str, beta: float = 0.0):
+    from esbatch.config import load_config
+
+    sets = {
+        "algorithm": "grpo" if "grpo" in phase else "es",
+        "model.dtype": "float32",
+        "model.device": "cpu",
+        "run.threads": args.threads,
+        "task.heldout_size": 0,
+        "tracking.drift": "false",
+        "generation.max_new_tokens": args.tokens,
+        "es.population_size": args.n,
+        "es.batch_size": args.batch,
+        "grpo.group_size": args.g,
+        "grpo.batch_size": args.batch,
+        "grpo.updates": 1,
+        "grpo.beta": beta,
+    }
+    return load_config("quickstart", [f"{k}={v}" for k, v in sets.items()])
+
+
+def run_phase(args: argparse.Namespace) -> dict:
+    """The child: load the model, build what the phase needs, run it once, report memory and time."""
+    import torch
+
+    from esbatch.backends import SamplingParams
+    from esbatch.backends.hf import HFBackend, HFGenerator
+    from esbatch.es.core import draw_population
+    from esbatch.es.schedule import batch_indices
+    from esbatch.es.trainer import es_step, load_problems
+    from esbatch.grpo.trainer import _step_seed
+    from esbatch.models import load_model_and_tokenizer
+
+    torch.set_num_threads(args.threads)
+    phase = args.phase
+    cfg = make_cfg(args, phase, args.beta if phase == "grpo-ref" else 0.0)
+    m, gen_cfg = cfg.model, cfg.generation
+    model, tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, m.dtype, m.device)
+    with torch.no_grad():  # the weights may be memory-mapped: page them in so that "loaded" counts them
+        for p in model.parameters():
+            p.sum()
+    out = {"phase": phase, "loaded_mb": rss_now_mb(), "params": sum(p.numel() for p in model.parameters())}
+    sampling = SamplingParams(gen_cfg.temperature, gen_cfg.top_p, gen_cfg.max_new_tokens)
+    probs = None
+    try:
+        if phase == "es":  # = HFBackend.from_config(cfg), split so that RSS can be read after the load
+            backend = HFBackend(model, tok, batch_size=gen_cfg.batch_size, track_drift=cfg.tracking.drift)
+            probs = load_problems(cfg, backend)
+            out["ready_mb"], t0 = rss_now_mb(), time.perf_counter()
+            tokens = es_step(cfg, backend, probs, 0)["metrics"]["tokens/generated"]
+        elif phase.startswith("infer"):
+            gen = HFGenerator(model, tok, batch_size=gen_cfg.batch_size)
+            probs = load_problems(cfg, gen)
+            _, idx = batch_indices(cfg.run.seed, 0, len(probs.train), args.batch)
+            prompts = [probs.train_prompts[i] for i in idx]
+            out["ready_mb"], t0 = rss_now_mb(), time.perf_counter()
+            if phase == "infer-es":
+                es = cfg.es
+                members = draw_population(cfg.run.seed, 0, es.population_size, es.estimator, es.generation_seeds)
+                gens = [g for mem in members for g in gen.generate(prompts, sampling, mem.gen_seed)]
+            else:
+                n_sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens, n=args.g)
+                gens = gen.generate(prompts, n_sampling, _step_seed(cfg.run.seed, 0, 0))
+            tokens = sum(g.n_tokens for g in gens)
+        else:  # grpo / grpo-ref: the setup of train_grpo with world size 1
+            import copy
+
+            import deepspeed
+            import torch.distributed as dist
+
+            from esbatch.grpo.trainer import ds_config, grpo_step, init_distributed
+
+            rank, world = init_distributed("cpu")
+            ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.grpo.beta > 0 else None
+            model.requires_grad_(True)
+            engine, *_ = deepspeed.initialize(
+                model=model,
+                config=ds_config(cfg, world, False),
+                model_parameters=[p for p in model.parameters() if p.requires_grad],
+            )
+            gen = HFGenerator(engine.module, tok, batch_size=gen_cfg.batch_size)
+            probs = load_problems(cfg, gen)
+            out["ready_mb"], t0 = rss_now_mb(), time.perf_counter()
+            met = grpo_step(cfg, engine, ref, gen, probs, 0, rank, world)
+            tokens = round(met["tokens/per_s"] * met["time/generation_s"])  # the step's sampled tokens
+            dist.destroy_process_group()
+        out.update(step_s=time.perf_counter() - t0, tokens=tokens)
+    except (RuntimeError, MemoryError) as e:  # most likely the --max-gb limit
+        out["error"] = str(e).splitlines()[0][:100]
+    if probs is not None:
+        _, idx = batch_indices(cfg.run.seed, 0, len(probs.train), args.batch)
+        out["prompt_tokens"] = max(len(tok(probs.train_prompts[i], add_special_tokens=False)["input_ids"]) for i in idx)
+    out["vocab"], out["peak_mb"] = model.config.vocab_size, peak_mb()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=8, help="ES population size N")
+    ap.add_argument("--g", type=int, default=8, help="GRPO group size G")
+    ap.add_argument("--batch", type=int, default=8, help="B: prompts per ES update / GRPO step")
+    ap.add_argument("--tokens", type=int, default=64, help="generation.max_new_tokens")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--beta", type=float, default=0.0, help="> 0: also run GRPO with a reference model")
+    avail = int(next(ln for ln in open("/proc/meminfo") if ln.startswith("MemAvailable")).split()[1]) / 2**20
+    ap.add_argument("--max-gb", type=float, default=round(0.9 * avail, 1), help="address-space limit per child")
+    ap.add_argument("--phase", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.phase:
+        print(json.dumps(run_phase(args)))
+        return
+
+    def limit() -> None:
+        lim = int(args.max_gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
+
+    phases = ["infer-es", "es", "infer-grpo", "grpo"] + (["grpo-ref"] if args.beta > 0 else [])
+    res = {}
+    for ph in phases:
+        flags = [
+            f"--{k}={getattr(args, k.replace('-', '_'))}" for k in ("n", "g", "batch", "tokens", "threads", "beta")
+        ]
+        cmd = [sys.executable, __file__, "--phase", ph, *flags]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=limit)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        if p.returncode or not lines:
+            res[ph] = {"phase": ph, "error": f"exit {p.returncode}: {(p.stderr.strip().splitlines() or [''])[-1]}"}
+        else:
+            res[ph] = json.loads(lines[-1])
+        print(f"  {ph}: {res[ph]}", file=sys.stderr, flush=True)
+
+    print(
+        f"\nSmolLM2-135M-Instruct fp32 CPU, {args.threads} threads; ES N={args.n}, GRPO G={args.g}, "
+        f"B={args.batch} prompts, {args.tokens} new tokens; child address-space limit {args.max_gb} GB"
+    )
+    head = ("loaded", "ready", "peak MB", "+ over loaded", "x infer", "step s", "tokens")
+    print(f"{'phase':<11}" + "".join(f"{h:>{n}}" for h, n in zip(head, (8, 8, 9, 15, 9, 8, 8))))
+    base = {"infer-es": "infer-es", "es": "infer-es", "infer-grpo": "infer-grpo", "grpo": "infer-grpo"}
+    for ph, r in res.items():
+        if "peak_mb" not in r:
+            print(f"{ph:<11}  failed: {r['error']}")
+            continue
+        b = res.get(base.get(ph, "infer-grpo"), {}).get("peak_mb")
+        ratio = f"{r['peak_mb'] / b:.2f}" if b else "-"
+        print(
+            f"{ph:<11}{r['loaded_mb']:8.0f}{r.get('ready_mb', 0):8.0f}{r['peak_mb']:9.0f}"
+            f"{r['peak_mb'] - r['loaded_mb']:15.0f}{ratio:>9}{r.get('step_s', 0):8.1f}{r.get('tokens', 0):8}"
+            + (f"  FAILED ({r['error']})" if "error" in r else "")
+        )
+    es, grpo = res["es"], res["grpo"]
+    if "peak_mb" in es and "peak_mb" in grpo:
+        tag = " (GRPO failed: at least)" if "error" in grpo else ""
+        print(f"headline: GRPO step peak / ES update peak = {grpo['peak_mb'] / es['peak_mb']:.2f}{tag}")
+
+    ok = next((r for r in res.values() if "params" in r), None)
+    if ok is None:
+        return
+    P, w = ok["params"], ok["params"] * 4 / MB
+    seqs, L = args.batch * args.g, ok["prompt_tokens"] + args.tokens
+    logits = seqs * (L - 1) * ok["vocab"] * 4 / MB
+    print(f"\ntheory (P = {P / 1e6:.1f}M parameters, fp32): weights P*4 = {w:.0f} MB, in every phase")
+    print(f"  ES extra   : fp32 master copy P*4 = {w:.0f} MB (+ theta_0 P*4 = {w:.0f} MB with tracking.drift on)")
+    print(
+        f"  GRPO extra : gradients P*4 + AdamW 2*P*4 = {3 * w:.0f} MB, + DeepSpeed ZeRO-1/2 fp32 master partition "
+        f"P*4 = {w:.0f} MB (kept even for an fp32 model), + reference P*4 = {w:.0f} MB when beta > 0,\n"
+        f"               + activations of one forward over {seqs} sequences x {L} tokens "
+        f"(the logits alone: {logits:.0f} MB per fp32 copy)"
+    )
+    if "peak_mb" in grpo and "error" not in grpo:
+        act = grpo["peak_mb"] - grpo["loaded_mb"] - 4 * w
+        print(f"  measured GRPO increase minus the {4 * w:.0f} MB of states = {act:.0f} MB (activations, buffers)")
+
+
+if __name__ == "__main__":
+    main()

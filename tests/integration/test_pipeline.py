@@ -1,0 +1,88 @@
+"""es -> grpo pipeline with tiny budgets: both stages run, weights flow, MLflow nests the stages."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from esbatch.config import ConfigError, config_from_dict
+from esbatch.pipeline import stage_budgets
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    "total,n,split,want",
+    [(300, 2, None, [150, 150]), (5, 2, None, [3, 2]), (10, 2, [0.3, 0.7], [3, 7]), (7, 3, None, [3, 2, 2])],
+)
+def test_stage_budgets_split_the_total(total, n, split, want):
+    assert stage_budgets(total, n, split) == want and sum(want) == total
+
+
+def test_pipeline_config_errors():
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"algorithm": "pipeline", "pipeline": {"stages": ["es", "ppo"], "split": [1]}})
+    msg = str(e.value)
+    assert "pipeline.stages: expected a list of es / grpo" in msg and "pipeline.updates: set the total" in msg
+    assert "pipeline.split: expected 2 positive shares" in msg
+
+
+def test_es_then_grpo_pipeline(tmp_path, tiny_model_dir):
+    cfg = {
+        "algorithm": "pipeline",
+        "pipeline": {"stages": ["es", "grpo"], "updates": 4},
+        "run": {"name": "p", "seed": 3, "output_dir": str(tmp_path / "runs"), "threads": 1},
+        "model": {"name": str(tiny_model_dir), "dtype": "float32"},
+        "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": 2, "few_shot": 1},
+        "generation": {"temperature": 1.0, "max_new_tokens": 6, "batch_size": 16},
+        "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02, "batch_size": 4},
+        "grpo": {"group_size": 4, "batch_size": 2, "learning_rate": 1e-3},
+        "eval": {"every": 0},
+        "checkpoint": {"every": 2},
+        "tracking": {"experiment": "pipe"},
+    }
+    path = tmp_path / "pipe.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(
+        [sys.executable, "-m", "esbatch", "train", str(path), "--no-progress"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    rd = tmp_path / "runs" / "p"
+    es_log = (rd / "stage1-es" / "log.jsonl").read_text().splitlines()
+    grpo_log = (rd / "stage2-grpo" / "log.jsonl").read_text().splitlines()
+    assert len(es_log) == 2 and len(grpo_log) == 2  # 4 updates split equally
+    # the GRPO stage started from the ES stage's center
+    stage2 = yaml.safe_load((rd / "stage2-grpo" / "config.yaml").read_text())
+    assert stage2["model"]["init_weights"] == str(rd / "stage1-es" / "center.safetensors")
+    es_center = load_file(str(rd / "stage1-es" / "center.safetensors"))
+    final = load_file(str(rd / "stage2-grpo" / "center.safetensors"))
+    assert any(not torch.equal(es_center[k], final[k]) for k in final)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("pipe").experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("algorithm") == "pipeline"]
+    kids = {r.data.tags["algorithm"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert set(kids) == {"es", "grpo"} and parent.info.status == "FINISHED"
+    assert json.loads((rd / "run.json").read_text())["status"] == "finished"
+    # re-running finds both stages finished and trains nothing
+    p = subprocess.run(
+        [sys.executable, "-m", "esbatch", "train", "--resume", str(rd), "--no-progress"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0 and "pipeline stage" not in p.stderr
