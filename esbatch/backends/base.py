@@ -56,6 +56,14 @@ class GenerationBackend(ABC):
         """``sampling.n`` responses per prompt (prompt-major: all of prompt 0's, then prompt 1's, ...),
         reproducible for a given seed and set of weights."""
 
+    def count_tokens(self, texts: Sequence[str]) -> list[int] | None:
+        """Token count of each text (for FLOP accounting); None when the backend cannot tell."""
+        return None
+
+    def num_parameters(self) -> int | None:
+        """Parameters of the model (for FLOP accounting); None when unknown."""
+        return None
+
     @abstractmethod
     def perturb(self, seed: int, scale: float) -> None:
         """theta <- center + scale * eps(seed), in place. Only from the center (call restore() between)."""

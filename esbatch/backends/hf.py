@@ -31,6 +31,12 @@ class HFGenerator:
         self.eos_ids = sorted(e for e in eos if e is not None)
 
     # ---------------------------------------------------------------- generation
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return [len(ids) for ids in self.tok(list(texts), add_special_tokens=False)["input_ids"]]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 

@@ -90,6 +90,7 @@ def es_step(cfg: TrainConfig, backend: GenerationBackend, probs: Problems, t: in
     t_upd = time.perf_counter() - t4
     n = len(rewards)
     mean = sum(rewards) / n
+    flops = _update_flops(backend, prompts, n_tokens, es.population_size)
     metrics = {
         "reward/mean": mean,
         "reward/std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
@@ -105,6 +106,7 @@ def es_step(cfg: TrainConfig, backend: GenerationBackend, probs: Problems, t: in
         "tokens/generated": n_tokens,
         "tokens/per_s": n_tokens / t_gen if t_gen else 0.0,
         "epoch": epoch,
+        **({"flops/update": flops} if flops is not None else {}),
     }
     return {
         "t": t,
@@ -126,6 +128,16 @@ def replay(backend: GenerationBackend, records: list[dict[str, Any]]) -> None:
     """Re-apply logged updates to the center: same seeds, same weights, same arithmetic -> same bits."""
     for r in records:
         backend.update(r["update_seeds"], r["update_weights"], r["alpha"], r["n"])
+
+
+def _update_flops(backend: GenerationBackend, prompts: list[str], gen_tokens: int, n: int) -> float | None:
+    """App. G.2 accounting of this update with its real token counts (esbatch/grpo/flops.py)."""
+    from esbatch.grpo.flops import es_flops
+
+    params, counts = backend.num_parameters(), backend.count_tokens(prompts)
+    if not params or not counts:
+        return None
+    return es_flops(params, n, len(prompts), sum(counts) / len(counts), gen_tokens / (n * len(prompts)))["total"]
 
 
 def _parent(cfg: TrainConfig) -> dict[str, str]:

@@ -151,6 +151,20 @@ def grpo_step(cfg: TrainConfig, engine: Any, ref: Any, gen: Any, probs: Any, t: 
         ent = (token_entropy(logits.detach(), temp) * mask).sum() / mask.sum().clamp(min=1)
 
     n_tok = float(mask.sum())
+    from esbatch.grpo.flops import grpo_flops
+
+    n_prompt = sum(len(s) for s in seqs) - n_tok  # tokens of the prompts, repeated per response
+    flops = (
+        grpo_flops(
+            gen.num_parameters(),
+            g.group_size,
+            len(mine),
+            max(n_prompt / len(seqs), 1.0),
+            max(n_tok / len(seqs), 1.0),
+            beta=g.beta,
+        )["total"]
+        * weight
+    )
     local = torch.tensor(
         [
             float(rewards.mean()),
@@ -161,6 +175,7 @@ def grpo_step(cfg: TrainConfig, engine: Any, ref: Any, gen: Any, probs: Any, t: 
             float(loss.detach()),
             n_tok,
             checksum(engine.module),
+            flops,
         ],
         dtype=torch.float64,
     )
@@ -179,6 +194,7 @@ def grpo_step(cfg: TrainConfig, engine: Any, ref: Any, gen: Any, probs: Any, t: 
         "tokens/per_s": float(m[:, 6].sum()) / max(t_gen, 1e-9),
         "time/generation_s": t_gen,
         "time/train_s": t_train,
+        "flops/update": float(m[:, 8].sum()),  # App. G.2 accounting with this step's real token counts
         "_checksums": [float(c) for c in m[:, 7]],
     }
 

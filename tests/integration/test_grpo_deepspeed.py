@@ -67,5 +67,13 @@ def test_two_rank_deepspeed_grpo_steps(tmp_path, tiny_model_dir):
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
     assert run.info.status == "FINISHED" and run.data.tags["world_size"] == "2"
-    for key in ("reward/mean", "policy/entropy", "policy/kl", "policy/clip_fraction", "grad_norm", "tokens/per_s"):
+    for key in (
+        "reward/mean",
+        "policy/entropy",
+        "policy/kl",
+        "policy/clip_fraction",
+        "grad_norm",
+        "tokens/per_s",
+        "flops/update",
+    ):
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [1, 2], key

@@ -86,3 +86,18 @@ def test_member_reward_is_the_mean_verifier_reward_of_its_perturbed_generations(
         fresh.restore()
         scores = [reward_of(probs.task.score(g.text, probs.train[i]), cfg) for g, i in zip(gens, rec["batch"])]
         assert rec["rewards"][j] == pytest.approx(sum(scores) / len(scores))
+
+
+def test_update_flops_follow_the_appendix_g2_accounting(tiny_model_dir, tiny_backend_factory):
+    from esbatch.es.schedule import batch_indices
+
+    cfg = cfg_for(tiny_model_dir)
+    b = tiny_backend_factory()
+    probs = load_problems(cfg, b)
+    rec = es_step(cfg, b, probs, 0)
+    _, idx = batch_indices(cfg.run.seed, 0, len(probs.train), cfg.es.batch_size)
+    P = sum(p.numel() for p in b.model.parameters())
+    prompt = sum(len(b.tok(probs.train_prompts[i], add_special_tokens=False)["input_ids"]) for i in idx)
+    N, gen = cfg.es.population_size, rec["metrics"]["tokens/generated"]
+    # 2 P per token forward for N members over the batch (prompt + generated), + perturb/restore 4PN + update 2PN
+    assert rec["metrics"]["flops/update"] == pytest.approx(2 * P * (N * prompt + gen) + 6 * P * N, rel=1e-9)
