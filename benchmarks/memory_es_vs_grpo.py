@@ -17,7 +17,7 @@ prompts of the quickstart arithmetic task (the batch of update/step t = 0), with
 Per phase: RSS right after the model is loaded (weights paged in), RSS just before the step (ES master copy,
 DeepSpeed engine built), peak RSS, wall time of the step (or generation), generated tokens. Each training
 phase is compared with the inference phase that generates the same rollouts. Children run under an
-address-space limit (--max-gb, default 90% of available memory), so a phase that would exhaust a shared
+address-space limit (--max-gb, default 75% of available memory), so a phase that would exhaust a shared
 machine fails with an allocation error instead.
 """
 
@@ -113,7 +113,6 @@ def run_phase(args: argparse.Namespace) -> dict:
             import copy
 
             import deepspeed
-            import torch.distributed as dist
 
             from esbatch.grpo.trainer import ds_config, grpo_step, init_distributed
 
@@ -130,10 +129,11 @@ def run_phase(args: argparse.Namespace) -> dict:
             out["ready_mb"], t0 = rss_now_mb(), time.perf_counter()
             met = grpo_step(cfg, engine, ref, gen, probs, 0, rank, world)
             tokens = round(met["tokens/per_s"] * met["time/generation_s"])  # the step's sampled tokens
-            dist.destroy_process_group()
         out.update(step_s=time.perf_counter() - t0, tokens=tokens)
     except (RuntimeError, MemoryError) as e:  # most likely the --max-gb limit
         out["error"] = str(e).splitlines()[0][:100]
+    if "grpo" in phase and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # gloo aborts at exit without it
     if probs is not None:
         _, idx = batch_indices(cfg.run.seed, 0, len(probs.train), args.batch)
         out["prompt_tokens"] = max(len(tok(probs.train_prompts[i], add_special_tokens=False)["input_ids"]) for i in idx)
@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--beta", type=float, default=0.0, help="> 0: also run GRPO with a reference model")
     avail = int(next(ln for ln in open("/proc/meminfo") if ln.startswith("MemAvailable")).split()[1]) / 2**20
-    ap.add_argument("--max-gb", type=float, default=round(0.9 * avail, 1), help="address-space limit per child")
+    ap.add_argument("--max-gb", type=float, default=round(0.75 * avail, 1), help="address-space limit per child")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
@@ -171,10 +171,8 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=limit)
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-        if p.returncode or not lines:
-            res[ph] = {"phase": ph, "error": f"exit {p.returncode}: {(p.stderr.strip().splitlines() or [''])[-1]}"}
-        else:
-            res[ph] = json.loads(lines[-1])
+        err = f"exit {p.returncode}: {(p.stderr.strip().splitlines() or [''])[-1]}"
+        res[ph] = json.loads(lines[-1]) if lines else {"phase": ph, "error": err}
         print(f"  {ph}: {res[ph]}", file=sys.stderr, flush=True)
 
     print(
@@ -195,6 +193,7 @@ def main() -> None:
             f"{r['peak_mb'] - r['loaded_mb']:15.0f}{ratio:>9}{r.get('step_s', 0):8.1f}{r.get('tokens', 0):8}"
             + (f"  FAILED ({r['error']})" if "error" in r else "")
         )
+    print("x infer: peak / peak of the inference phase generating the same rollouts (infer-es or infer-grpo)")
     es, grpo = res["es"], res["grpo"]
     if "peak_mb" in es and "peak_mb" in grpo:
         tag = " (GRPO failed: at least)" if "error" in grpo else ""

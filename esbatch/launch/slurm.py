@@ -57,7 +57,7 @@ def sbatch_parameters(profile: LauncherProfile, job_name: str) -> dict[str, Any]
         "job_name": job_name,
         "time": profile.time_minutes(),
         "nodes": profile.nodes,
-        "ntasks_per_node": 1,
+        "ntasks_per_node": profile.ntasks_per_node,
         "cpus_per_task": profile.cpus_per_task,
         "signal_delay_s": profile.signal_delay_s,
         "array_parallelism": profile.array_parallelism,

@@ -31,6 +31,21 @@ def slurm_tags() -> dict[str, str]:
     return tags
 
 
+def distributed_env_from_slurm() -> None:
+    """torch.distributed's env for a multi-task SLURM job: one rank per task, rendezvous on the first node."""
+    import submitit
+
+    env = submitit.JobEnvironment()
+    job = os.environ.get("SLURM_JOB_ID", "0")
+    os.environ.update(
+        RANK=str(env.global_rank),
+        WORLD_SIZE=str(env.num_tasks),
+        LOCAL_RANK=str(env.local_rank),
+        MASTER_ADDR=env.hostnames[0],
+        MASTER_PORT=str(20000 + int(job) % 20000),  # the same on every rank, different per job
+    )
+
+
 def run_task(sweep_dir: str | Path, key: str, progress: bool = False) -> dict[str, Any]:
     """Train (or continue) run ``key`` of the sweep in ``sweep_dir``; returns the trainer's summary."""
     from esbatch.config import load_config
@@ -38,6 +53,7 @@ def run_task(sweep_dir: str | Path, key: str, progress: bool = False) -> dict[st
 
     sd = SweepDir(sweep_dir)
     meta = sd.read()
+    ranks = int(os.environ.get("SLURM_NTASKS", "1"))
     entry = next((r for r in meta.get("runs", []) if r["key"] == key), None)
     if entry is None:
         raise KeyError(f"run {key} is not in the plan of {sd.meta_path}")
@@ -53,8 +69,12 @@ def run_task(sweep_dir: str | Path, key: str, progress: bool = False) -> dict[st
         cfg.tracking.uri = f"sqlite:///{rd.path.resolve() / 'mlflow.db'}"
     elif meta.get("parent_run_id"):
         tags["mlflow.parentRunId"] = meta["parent_run_id"]
+    if ranks > 1:
+        if cfg.algorithm != "grpo":
+            raise ValueError(f"{cfg.algorithm} runs use one process; set ntasks_per_node: 1 and nodes: 1 for them")
+        distributed_env_from_slurm()
     resume = rd.exists()
-    if resume:
+    if resume and os.environ.get("RANK", "0") == "0":
         rd.config.write_text(cfg.to_yaml())  # only budgets/bookkeeping can differ: the key pins the rest
     print(f"esbatch task: sweep {meta['name']} run {key} ({entry['label']}) resume={resume}", flush=True)
     if cfg.algorithm == "pipeline":

@@ -276,3 +276,34 @@ def test_offline_stores_merge_once_and_arrays_split(tmp_path, tiny_model_dir):
     assert {k.info.run_id for k in kids2} == set(hist)
     assert {r: len(client.get_metric_history(r, "reward/mean")) for r in hist} == hist
     assert "population_size=6" in (sweep_dir / "results" / "popsize_table.md").read_text()
+
+
+def test_grpo_run_with_two_slurm_tasks_is_one_two_rank_deepspeed_job(tmp_path, tiny_model_dir):
+    """ntasks_per_node: 2 -> srun starts two ranks of one GRPO run (the multi-node path, on one node)."""
+    base = {
+        "algorithm": "grpo",
+        "run": {"seed": 3, "threads": 1},
+        "model": {"name": str(tiny_model_dir), "dtype": "float32"},
+        "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": 2, "few_shot": 1},
+        "generation": {"temperature": 1.0, "max_new_tokens": 6, "batch_size": 16},
+        "grpo": {"group_size": 4, "batch_size": 4, "learning_rate": 1e-3, "updates": 2},
+        "eval": {"every": 0},
+    }
+    (tmp_path / "grpo-base.yaml").write_text(yaml.safe_dump(base))
+    sweep = {
+        "name": "g2",
+        "base": str(tmp_path / "grpo-base.yaml"),
+        "output_dir": str(tmp_path / "out"),
+        "launcher": "slurm-local",
+        "launcher_overrides": {"mem": "1000M", "ntasks_per_node": 2, "aggregate_job": False},
+    }
+    path = tmp_path / "g2.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    out, calls = cli(tmp_path, "sweep", str(path), "--wait")
+    assert calls == 1 and "1 runs: 1 finished" in out, out
+    sweep_dir = tmp_path / "out" / "g2"
+    (key,) = [p.name for p in (sweep_dir / "runs").iterdir()]
+    log = [json.loads(x) for x in (sweep_dir / "runs" / key / "log.jsonl").read_text().splitlines()]
+    assert len(log) == 2 and all(len(r["param_checksums"]) == 2 and len(set(r["param_checksums"])) == 1 for r in log)
+    _, _, (kid,) = children(sweep_dir, "g2")
+    assert kid.data.tags["world_size"] == "2" and kid.info.status == "FINISHED"
