@@ -77,3 +77,26 @@ def test_two_rank_deepspeed_grpo_steps(tmp_path, tiny_model_dir):
         "flops/update",
     ):
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [1, 2], key
+
+
+def test_grpo_resume_continues_from_the_deepspeed_checkpoint(tmp_path, tiny_model_dir):
+    path = write_cfg(tmp_path, tiny_model_dir)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-m", "esbatch", "train", *a, "--no-progress"],
+        env=env,  # noqa: E731
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    p = run(str(path))
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    rd = tmp_path / "runs" / "g"
+    p = run("--resume", str(rd), "--set", "grpo.updates=3")  # extend the budget by one step
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    log = [json.loads(x) for x in (rd / "log.jsonl").read_text().splitlines()]
+    assert [r["t"] for r in log] == [0, 1, 2]  # steps 0-1 were not redone
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    (mr,) = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
+    assert sorted(m.step for m in client.get_metric_history(mr.info.run_id, "reward/mean")) == [1, 2, 3]
