@@ -131,7 +131,7 @@ def run_phase(args: argparse.Namespace) -> dict:
             tokens = round(met["tokens/per_s"] * met["time/generation_s"])  # the step's sampled tokens
         out.update(step_s=time.perf_counter() - t0, tokens=tokens)
     except (RuntimeError, MemoryError) as e:  # most likely the --max-gb limit
-        out["error"] = str(e).splitlines()[0][:100]
+        out["error"] = str(e).splitlines()[0].split("] ")[-1][:110]
     if "grpo" in phase and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()  # gloo aborts at exit without it
     if probs is not None:
@@ -190,14 +190,14 @@ def main() -> None:
         ratio = f"{r['peak_mb'] / b:.2f}" if b else "-"
         print(
             f"{ph:<11}{r['loaded_mb']:8.0f}{r.get('ready_mb', 0):8.0f}{r['peak_mb']:9.0f}"
-            f"{r['peak_mb'] - r['loaded_mb']:15.0f}{ratio:>9}{r.get('step_s', 0):8.1f}{r.get('tokens', 0):8}"
-            + (f"  FAILED ({r['error']})" if "error" in r else "")
+            f"{r['peak_mb'] - r['loaded_mb']:15.0f}{ratio:>9}"
+            + (f"{r['step_s']:8.1f}{r['tokens']:8}" if "error" not in r else f"  FAILED at this peak: {r['error']}")
         )
     print("x infer: peak / peak of the inference phase generating the same rollouts (infer-es or infer-grpo)")
     es, grpo = res["es"], res["grpo"]
     if "peak_mb" in es and "peak_mb" in grpo:
-        tag = " (GRPO failed: at least)" if "error" in grpo else ""
-        print(f"headline: GRPO step peak / ES update peak = {grpo['peak_mb'] / es['peak_mb']:.2f}{tag}")
+        at_least = "> " if "error" in grpo else ""
+        print(f"headline: GRPO step peak / ES update peak = {at_least}{grpo['peak_mb'] / es['peak_mb']:.2f}")
 
     ok = next((r for r in res.values() if "params" in r), None)
     if ok is None:

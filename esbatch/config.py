@@ -153,7 +153,9 @@ class GRPOConfig:
         choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
     )
     max_grad_norm: float = _f(1.0, "Gradient clipping (DeepSpeed gradient_clipping).", gt=0.0)
-    zero_stage: int = _f(2, "DeepSpeed ZeRO stage (0-3).", ge=0, le=3)
+    zero_stage: int = _f(
+        2, "DeepSpeed ZeRO stage 0-2 (3 would shard the weights the generator reads on every rank).", ge=0, le=2
+    )
     updates: int | None = _f(None, "Training budget in optimizer steps (set this or `epochs`).", ge=1)
     epochs: float | None = _f(None, "Training budget in epochs over the training split.", gt=0.0)
 
