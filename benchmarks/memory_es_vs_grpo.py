@@ -86,7 +86,8 @@ def run_phase(args: argparse.Namespace) -> dict:
     with torch.no_grad():  # the weights may be memory-mapped: page them in so that "loaded" counts them
         for p in model.parameters():
             p.sum()
-    out = {"phase": phase, "loaded_mb": rss_now_mb(), "params": sum(p.numel() for p in model.parameters())}
+    sizes = [p.numel() for p in model.parameters()]
+    out = {"phase": phase, "loaded_mb": rss_now_mb(), "params": sum(sizes), "largest": max(sizes)}
     sampling = SamplingParams(gen_cfg.temperature, gen_cfg.top_p, gen_cfg.max_new_tokens)
     probs = None
     try:
@@ -206,11 +207,15 @@ def main() -> None:
     seqs, L = args.batch * args.g, ok["prompt_tokens"] + args.tokens
     logits = seqs * (L - 1) * ok["vocab"] * 4 / MB
     print(f"\ntheory (P = {P / 1e6:.1f}M parameters, fp32): weights P*4 = {w:.0f} MB, in every phase")
-    print(f"  ES extra   : fp32 master copy P*4 = {w:.0f} MB (+ theta_0 P*4 = {w:.0f} MB with tracking.drift on)")
+    big = ok["largest"] * 24 / MB  # es_update per tensor: fp32 acc + eps, float64 copy + its square (for the norm)
+    print(
+        f"  ES extra   : fp32 master copy P*4 = {w:.0f} MB (+ theta_0 P*4 = {w:.0f} MB with tracking.drift on),\n"
+        f"               + es_update transients on the largest tensor, up to 24 bytes/element = {big:.0f} MB"
+    )
     print(
         f"  GRPO extra : gradients P*4 + AdamW 2*P*4 = {3 * w:.0f} MB, + DeepSpeed ZeRO-1/2 fp32 master partition "
         f"P*4 = {w:.0f} MB (kept even for an fp32 model), + reference P*4 = {w:.0f} MB when beta > 0,\n"
-        f"               + activations of one forward over {seqs} sequences x {L} tokens "
+        f"               + activations of one forward over {seqs} sequences x <= {L} tokens "
         f"(the logits alone: {logits:.0f} MB per fp32 copy)"
     )
     if "peak_mb" in grpo and "error" not in grpo:

@@ -96,5 +96,5 @@ def es_update(
                 acc.add_(direction(seed, name, theta.shape), alpha=float(w))
         acc.mul_(alpha / n)
         theta.add_(acc.to(theta.device))
-        sq += float(acc.double().square().sum())
+        sq += float(torch.linalg.vector_norm(acc, dtype=torch.float64)) ** 2  # no float64 copy of the tensor
     return sq**0.5
