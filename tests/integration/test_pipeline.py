@@ -86,3 +86,41 @@ def test_es_then_grpo_pipeline(tmp_path, tiny_model_dir):
         timeout=300,
     )
     assert p.returncode == 0 and "pipeline stage" not in p.stderr
+
+
+def test_pipelines_are_swept_like_any_config(tmp_path, tiny_model_dir):
+    """A sweep over the stage order: es->grpo and grpo->es, each a pipeline run with nested stages."""
+    base = {
+        "algorithm": "pipeline",
+        "pipeline": {"stages": ["es", "grpo"], "updates": 2},
+        "run": {"seed": 3, "threads": 1},
+        "model": {"name": str(tiny_model_dir), "dtype": "float32"},
+        "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": 2, "few_shot": 1},
+        "generation": {"temperature": 1.0, "max_new_tokens": 6, "batch_size": 16},
+        "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02, "batch_size": 4},
+        "grpo": {"group_size": 4, "batch_size": 2, "learning_rate": 1e-3},
+        "eval": {"every": 0},
+    }
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    sweep = {
+        "name": "order",
+        "base": "base.yaml",
+        "output_dir": str(tmp_path / "out"),
+        "launcher": "local",
+        "grid": {"pipeline.stages": [["es", "grpo"], ["grpo", "es"]]},
+    }
+    (tmp_path / "order.yaml").write_text(yaml.safe_dump(sweep))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(
+        [sys.executable, "-m", "esbatch", "sweep", str(tmp_path / "order.yaml")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "2 runs: 2 finished" in p.stdout
+    runs = sorted((tmp_path / "out" / "order" / "runs").iterdir())
+    stages = sorted(sorted(q.name for q in r.iterdir() if q.is_dir() and q.name.startswith("stage")) for r in runs)
+    assert stages == [["stage1-es", "stage2-grpo"], ["stage1-grpo", "stage2-es"]]
