@@ -68,7 +68,7 @@ def run_pipeline(
     tags: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run the stages in order; returns a summary with each stage's folder and MLflow run."""
-    from esbatch.tracking import MLflowTracker, default_tracking_uri, run_tags
+    from esbatch.tracking import MLflowTracker, default_tracking_uri, parent_tag, run_tags
 
     rd = Path(run_dir)
     rd.mkdir(parents=True, exist_ok=True)
@@ -83,10 +83,9 @@ def run_pipeline(
         **run_tags(),
         "algorithm": "pipeline",
         "pipeline.stages": "->".join(cfg.pipeline.stages),
+        **parent_tag(cfg.tracking.parent_run_id),
         **(tags or {}),
     }
-    if cfg.tracking.parent_run_id:
-        parent_tags["mlflow.parentRunId"] = cfg.tracking.parent_run_id
     run_id = tracker.start(
         run_name or cfg.run.name, flatten(cfg.to_dict()), parent_tags, run_id=meta.get("mlflow_run_id")
     )

@@ -140,10 +140,6 @@ def _update_flops(backend: GenerationBackend, prompts: list[str], gen_tokens: in
     return es_flops(params, n, len(prompts), sum(counts) / len(counts), gen_tokens / (n * len(prompts)))["total"]
 
 
-def _parent(cfg: TrainConfig) -> dict[str, str]:
-    return {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}
-
-
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -165,7 +161,7 @@ def train(
     import torch
     from tqdm.auto import tqdm
 
-    from esbatch.tracking import MLflowTracker, default_tracking_uri, run_tags
+    from esbatch.tracking import MLflowTracker, default_tracking_uri, parent_tag, run_tags
 
     rd = RunDir(run_dir)
     if rd.exists() and not resume:
@@ -201,7 +197,7 @@ def train(
     run_id = tracker.start(
         run_name or cfg.run.name,
         flatten(cfg.to_dict()),
-        {**run_tags(), "algorithm": "es", **(tags or {}), **_parent(cfg)},
+        {**run_tags(), "algorithm": "es", **(tags or {}), **parent_tag(cfg.tracking.parent_run_id)},
         run_id=meta.get("mlflow_run_id") if resume else None,
     )
     rd.write_meta(mlflow_run_id=run_id, tracking_uri=uri, total_updates=total, status="running")

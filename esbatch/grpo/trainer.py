@@ -63,10 +63,6 @@ def _step_seed(seed: int, t: int, rank: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"grpo/{seed}/{t}/{rank}".encode(), digest_size=4).digest(), "little")
 
 
-def _parent(cfg: TrainConfig) -> dict[str, str]:
-    return {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}
-
-
 def checksum(model: Any) -> float:
     """A cheap fingerprint of the weights, compared across ranks."""
     import torch
@@ -220,7 +216,7 @@ def train_grpo(
     from esbatch.backends.hf import HFGenerator
     from esbatch.es.trainer import evaluate_heldout, load_problems, peak_rss_mb
     from esbatch.models import load_model_and_tokenizer, resolve_device
-    from esbatch.tracking import MLflowTracker, default_tracking_uri, run_tags
+    from esbatch.tracking import MLflowTracker, default_tracking_uri, parent_tag, run_tags
 
     device = resolve_device(cfg.model.device)
     rank, world = init_distributed(device)
@@ -264,7 +260,13 @@ def train_grpo(
         run_id = tracker.start(
             run_name or cfg.run.name,
             flatten(cfg.to_dict()),
-            {**run_tags(), "algorithm": "grpo", "world_size": str(world), **_parent(cfg), **(tags or {})},
+            {
+                **run_tags(),
+                "algorithm": "grpo",
+                "world_size": str(world),
+                **parent_tag(cfg.tracking.parent_run_id),
+                **(tags or {}),
+            },
             run_id=meta.get("mlflow_run_id") if resume else None,
         )
         rd.write_meta(mlflow_run_id=run_id, tracking_uri=uri, total_updates=total, status="running")

@@ -49,6 +49,11 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def parent_tag(parent_run_id: str | None) -> dict[str, str]:
+    """The tag that nests a run under ``parent_run_id`` in the MLflow UI (pipelines, sweeps, evals)."""
+    return {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
+
+
 def run_tags() -> dict[str, str]:
     return {"git_commit": _git_commit(), "host": socket.gethostname(), "esbatch_version": esbatch.__version__}
 
