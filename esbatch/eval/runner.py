@@ -108,14 +108,8 @@ def score_responses(task: Any, texts: list[str], exs: list[Any], workers: int) -
         with ThreadPoolExecutor(max_workers=workers) as pool:
             verdicts = [str(v) for v in pool.map(lambda a: task.score(*a), zip(texts, exs))]
 
-    def key(a: tuple[str, Any]) -> str | None:
-        try:
-            return task.answer_key(*a)
-        except NotImplementedError:
-            return None
-
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        keys = list(pool.map(key, zip(texts, exs)))
+        keys = list(pool.map(lambda a: task.answer_key(*a), zip(texts, exs)))
     return verdicts, keys
 
 

@@ -109,9 +109,10 @@ def grpo_step(cfg: TrainConfig, engine: Any, ref: Any, gen: Any, probs: Any, t: 
     # sequences = prompt + sampled tokens, right-padded; the loss covers the sampled tokens only
     tok = gen.tok
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    prompt_ids = tok([probs.train_prompts[i] for i in mine], add_special_tokens=False)["input_ids"]  # once each
     seqs, resp = [], []
     for j, x in enumerate(gens):
-        p_ids = tok(probs.train_prompts[mine[j // g.group_size]], add_special_tokens=False)["input_ids"]
+        p_ids = prompt_ids[j // g.group_size]
         seqs.append(p_ids + list(x.token_ids))
         resp.append([0] * len(p_ids) + [1] * len(x.token_ids))
     L = max(len(s) for s in seqs)

@@ -88,9 +88,10 @@ class Task:
         """The response's final answer in a canonical form, for Maj@K votes; None = no answer (abstain).
 
         Two responses vote together iff their keys are equal, so the key must be normalized the same way
-        the verifier compares (e.g. numbers as reduced fractions, letters upper-case).
+        the verifier compares (e.g. numbers as reduced fractions, letters upper-case). A task without
+        comparable answers keeps this default: every response abstains.
         """
-        raise NotImplementedError
+        return None
 
     # --- evaluation ------------------------------------------------------------------------
     def eval_examples(self, limit: int | None, seed: int = 0) -> list[Example]:

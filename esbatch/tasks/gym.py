@@ -98,7 +98,13 @@ class ChainSumTask(ArithmeticTask):
 
 
 class CountdownTask(_GymTask):
-    """Countdown (reasoning-gym countdown): reach the target using each number once, in <answer> tags."""
+    """Countdown: reach the target using each number once, in <answer> tags.
+
+    Problems are generated offline by reasoning-gym, or read from a dataset (``hub_id`` through
+    ``datasets``, or a local ``data_path``) whose rows have ``target`` and ``nums`` (or ``numbers``), as in
+    Jiayi-Pan/Countdown-Tasks-3to4. File rows split in order: the first ``few_shot`` are demonstrations,
+    the next ``heldout_size`` are held out, the rest train.
+    """
 
     family = "countdown"
     gym_name = "countdown"
@@ -107,6 +113,8 @@ class CountdownTask(_GymTask):
         self,
         data_path: str | None = None,
         *,
+        hub_id: str = "",
+        split: str = "train",
         min_numbers: int = 3,
         max_numbers: int = 4,
         min_value: int = 1,
@@ -115,6 +123,7 @@ class CountdownTask(_GymTask):
         max_target: int = 999,
     ) -> None:
         super().__init__(data_path)
+        self.hub_id, self.split = hub_id, split
         self.cfg = dict(
             min_numbers=min_numbers,
             max_numbers=max_numbers,
@@ -127,13 +136,45 @@ class CountdownTask(_GymTask):
     def _gym_config(self) -> dict[str, Any]:
         return self.cfg
 
+    @staticmethod
+    def _example(numbers: list[int], target: int, expression: str = "") -> Example:
+        q = f"Numbers: {', '.join(str(n) for n in numbers)}. Target: {target}."
+        return Example(
+            question=q, answer=expression, meta={"numbers": [int(n) for n in numbers], "target": int(target)}
+        )
+
     def _convert(self, item: dict[str, Any]) -> Example:
         m = item["metadata"]
-        nums = ", ".join(str(n) for n in m["numbers"])
-        q = f"Numbers: {nums}. Target: {m['target']}."
-        return Example(question=q, answer=m["expression"], meta={"numbers": list(m["numbers"]), "target": m["target"]})
+        return self._example(m["numbers"], m["target"], m["expression"])
+
+    def _rows(self) -> list[Example]:
+        from esbatch.tasks.gsm8k import load_rows
+
+        source = self.data_path or self.hub_id
+        out = []
+        for i, row in enumerate(load_rows(source, self.split)):
+            nums = row.get("nums") or row.get("numbers")
+            if nums is None or row.get("target") is None:
+                raise ValueError(
+                    f"{source} row {i}: a Countdown row needs 'target' and 'nums' (or 'numbers'); has {', '.join(row)}"
+                )
+            out.append(self._example(list(nums), row["target"], str(row.get("expression") or "")))
+        return out
+
+    def splits(self, n_train: int | None, n_heldout: int, n_demo: int, seed: int) -> dict[str, list[Example]]:
+        if not (self.data_path or self.hub_id):
+            return super().splits(n_train, n_heldout, n_demo, seed)
+        rows = self._rows()
+        rest = rows[n_demo + n_heldout :]
+        return {
+            "demo": rows[:n_demo],
+            "heldout": rows[n_demo : n_demo + n_heldout],
+            "train": rest if n_train is None else rest[:n_train],
+        }
 
     def demo_response(self, ex: Example) -> str:
+        if not ex.answer:
+            raise ValueError("these Countdown rows carry no solution expression to demonstrate; use few_shot: 0")
         return f"{ex.answer} = {ex.meta['target']}. <answer>{ex.answer}</answer>"
 
     def score(self, response: str, ex: Example) -> Verdict:

@@ -92,3 +92,30 @@ def test_a_small_split_after_a_large_one_is_still_drawn():
     task = TASKS.get("arithmetic")()
     sp = task.splits(1, 500, 0, seed=12345)
     assert len(sp["train"]) == 1 and sp["train"][0].question not in {e.question for e in sp["heldout"]}
+
+
+def test_countdown_from_a_dataset_file(tmp_path):
+    from pathlib import Path
+
+    from esbatch.tasks import TASKS
+    from esbatch.tasks.verify import Verdict
+
+    fx = Path(__file__).resolve().parents[1] / "fixtures" / "countdown_tiny.jsonl"
+    task = TASKS.get("countdown")(str(fx))
+    exs = task.eval_examples(None)
+    assert [e.meta for e in exs] == [
+        {"numbers": [3, 5, 2], "target": 16},
+        {"numbers": [10, 4, 6, 2], "target": 24},
+        {"numbers": [7, 1, 8], "target": 15},
+    ]
+    assert exs[0].question == "Numbers: 3, 5, 2. Target: 16."
+    assert task.score("<answer>(3 + 5) * 2</answer>", exs[0]) is Verdict.CORRECT
+    assert task.score("<answer>3 * 5 + 2</answer>", exs[0]) is Verdict.WRONG
+    sp = task.splits(None, 1, 1, 0)
+    assert [len(sp[k]) for k in ("demo", "heldout", "train")] == [1, 1, 1]
+    with pytest.raises(ValueError, match="few_shot: 0"):
+        task.demo_response(exs[0])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"target": 3}\n')
+    with pytest.raises(ValueError, match="needs 'target' and 'nums'"):
+        TASKS.get("countdown")(str(bad)).eval_examples(None)
