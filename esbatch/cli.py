@@ -58,8 +58,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
 
-    def _terminate(signum: int, frame: object) -> None:  # scancel / kill: mark the MLflow run KILLED, exit
-        raise KeyboardInterrupt
+    def _terminate(signum: int, frame: object) -> None:  # scancel / kill: stop after this update, mark KILLED
+        from esbatch.es.trainer import STOP
+
+        STOP.set()
 
     signal.signal(signal.SIGTERM, _terminate)
     if cfg.algorithm == "grpo":

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from esbatch.config import TrainConfig, flatten
+from esbatch.es.trainer import STOP
 
 
 def stage_budgets(total: int, n: int, split: list[float] | None) -> list[int]:
@@ -96,6 +97,8 @@ def run_pipeline(
     status = "FAILED"
     try:
         for folder, sc in stages:
+            if STOP.is_set():  # SIGTERM (see es/trainer.py): stop between stages
+                raise KeyboardInterrupt
             smeta = json.loads((folder / "run.json").read_text()) if (folder / "run.json").exists() else {}
             if smeta.get("status") != "finished":
                 stage_yaml = rd / f"{folder.name}.yaml"

@@ -8,6 +8,7 @@ theta += alpha/N sum_i z_i eps_i -> append the update to log.jsonl -> log metric
 from __future__ import annotations
 
 import resource
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,6 +131,11 @@ def replay(backend: GenerationBackend, records: list[dict[str, Any]]) -> None:
         backend.update(r["update_seeds"], r["update_weights"], r["alpha"], r["n"])
 
 
+# Set by `esbatch train`'s SIGTERM handler; the loop stops between updates (an exception raised inside an
+# MLflow sqlite call could leave its database locked, and the run could then not be marked KILLED).
+STOP = threading.Event()
+
+
 def _update_flops(backend: GenerationBackend, prompts: list[str], gen_tokens: int, n: int) -> float | None:
     """App. G.2 accounting of this update with its real token counts (esbatch/grpo/flops.py)."""
     from esbatch.grpo.flops import es_flops
@@ -225,6 +231,8 @@ def train(
     status = "FAILED"
     try:
         for t in range(start, total):
+            if STOP.is_set():  # SIGTERM asked us to stop: do it here, never inside an MLflow write
+                raise KeyboardInterrupt
             rec = es_step(cfg, backend, probs, t)
             rd.append_update(rec)  # the durable record: written before anything else
             m = rec["metrics"]

@@ -25,6 +25,7 @@ from typing import Any
 from esbatch.config import TrainConfig, flatten
 from esbatch.es.checkpoint import RunDir
 from esbatch.es.schedule import batch_indices
+from esbatch.es.trainer import STOP
 
 
 def init_distributed(device: str) -> tuple[int, int]:
@@ -286,6 +287,8 @@ def train_grpo(
     status = "FAILED"
     try:
         for t in range(start, total):
+            if STOP.is_set():  # SIGTERM (see es/trainer.py): stop between steps
+                raise KeyboardInterrupt
             m = grpo_step(cfg, engine, ref, gen, probs, t, rank, world)
             sums = m.pop("_checksums")
             if rank == 0:
