@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -64,6 +65,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         STOP.set()
 
     signal.signal(signal.SIGTERM, _terminate)
+    if cfg.run.nproc_per_node > 1 and "RANK" not in os.environ and cfg.algorithm != "pipeline":
+        return _start_ranks(cfg.run.nproc_per_node)
     if cfg.algorithm == "grpo":
         return _train_grpo(cfg, run_dir, args)
     if cfg.algorithm == "pipeline":
@@ -84,6 +87,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"\ninterrupted. Continue with: esbatch train --resume {run_dir}", file=sys.stderr)
         return 130
+    if "rank" in s:  # not rank 0: rank 0 prints the summary
+        return 0
     first, last = s["heldout_first"], s["heldout_last"]
     print(f"\ndone: {s['updates']} updates in {s['wall_s']:.0f} s, peak RSS {s['peak_rss_mb']:.0f} MB")
     if first and last:
@@ -98,18 +103,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_grpo(cfg: object, run_dir: Path, args: argparse.Namespace) -> int:
-    """GRPO: under torchrun already, or start it for run.nproc_per_node ranks (gloo on CPU, NCCL on GPU)."""
-    import os
+def _start_ranks(n: int) -> int:
+    """Re-run this command under torchrun with n ranks (ES: the population is split over them; GRPO: data
+    parallel). Exits non-zero when any rank fails; the run folder is then resumable with --resume."""
     import subprocess
 
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "-m", "esbatch", *sys.argv[1:]]
+    print(f"starting {n} ranks: {' '.join(cmd[1:])}", file=sys.stderr)
+    rc = subprocess.call(cmd)
+    if rc:
+        print(
+            f"error: a rank failed (exit {rc}); see its traceback above. The run folder is resumable.", file=sys.stderr
+        )
+    return rc
+
+
+def _train_grpo(cfg: object, run_dir: Path, args: argparse.Namespace) -> int:
+    """GRPO under torchrun (gloo on CPU, NCCL on GPU) or as one process."""
     from esbatch.grpo.trainer import train_grpo
 
-    n = cfg.run.nproc_per_node
-    if n > 1 and "RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "-m", "esbatch", *sys.argv[1:]]
-        print(f"starting {n} ranks: {' '.join(cmd[1:])}", file=sys.stderr)
-        return subprocess.call(cmd)
     try:
         s = train_grpo(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress)
     except KeyboardInterrupt:

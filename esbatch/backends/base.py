@@ -39,6 +39,13 @@ class UpdateStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class PopulationOutput:
+    generations: list[list[Generation]]  # per member, one list of responses (prompt-major)
+    generation_s: float = 0.0  # summed over members (wall time per engine when engines run in parallel)
+    perturb_restore_s: float = 0.0
+
+
 class GenerationBackend(ABC):
     """Generate with the current weights; perturb/restore/update them in place from seeds."""
 
@@ -62,6 +69,32 @@ class GenerationBackend(ABC):
 
     def num_parameters(self) -> int | None:
         """Parameters of the model (for FLOP accounting); None when unknown."""
+        return None
+
+    def evaluate_population(
+        self, members: Sequence[tuple[int, float, int]], prompts: Sequence[str], sampling: SamplingParams
+    ) -> PopulationOutput:
+        """Responses of each member (direction seed, scale, generation seed): theta = center + scale * eps.
+
+        One member after another here; a backend with several engines overrides this to spread the
+        members over them.
+        """
+        import time
+
+        out = PopulationOutput([])
+        for seed, scale, gen_seed in members:
+            t0 = time.perf_counter()
+            self.perturb(seed, scale)
+            t1 = time.perf_counter()
+            out.generations.append(self.generate(prompts, sampling, gen_seed))
+            t2 = time.perf_counter()
+            self.restore()
+            out.generation_s += t2 - t1
+            out.perturb_restore_s += (t1 - t0) + (time.perf_counter() - t2)
+        return out
+
+    def checksum(self) -> float | None:
+        """A cheap fingerprint of the fp32 center, equal on processes holding equal centers."""
         return None
 
     @abstractmethod

@@ -172,6 +172,9 @@ class HFBackend(HFGenerator, GenerationBackend):
         diff = _norm(self.master[n] - t0 for n, t0 in self.theta0.items())
         return diff / self._theta0_norm
 
+    def checksum(self) -> float:
+        return center_checksum(self.master)
+
     def center_state_dict(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in self.master.items()}
 
@@ -196,6 +199,12 @@ class HFBackend(HFGenerator, GenerationBackend):
         master_bytes = sum(t.numel() * 4 for t in self.master.values())
         theta0_bytes = master_bytes if self.theta0 is not None else 0
         return {"model_bytes": model_bytes, "master_bytes": master_bytes, "theta0_bytes": theta0_bytes}
+
+
+@torch.no_grad()
+def center_checksum(center: dict[str, torch.Tensor]) -> float:
+    """sum_k (k+1) * sum(tensor_k) in float64, tensors in name order: position-sensitive and cheap."""
+    return float(sum(float(center[n].sum(dtype=torch.float64)) * (k + 1) for k, n in enumerate(sorted(center))))
 
 
 def _norm(tensors: Any) -> float:

@@ -18,8 +18,11 @@ from esbatch.backends import BACKENDS, GenerationBackend, SamplingParams
 from esbatch.config import TrainConfig, flatten
 from esbatch.es.checkpoint import RunDir
 from esbatch.es.core import direction_weights, draw_population, normalize
+from esbatch.es.distributed import Ranks, init_ranks
 from esbatch.es.schedule import batch_indices
 from esbatch.tasks import TASKS, Example, Task, Verdict
+
+SINGLE = Ranks()  # one process: no torch.distributed
 
 
 @dataclass
@@ -64,31 +67,37 @@ def evaluate_heldout(cfg: TrainConfig, backend: GenerationBackend, probs: Proble
     }
 
 
-def es_step(cfg: TrainConfig, backend: GenerationBackend, probs: Problems, t: int) -> dict[str, Any]:
-    """Evaluate the population of update t and apply the update; returns the log record."""
+def es_step(
+    cfg: TrainConfig, backend: GenerationBackend, probs: Problems, t: int, ranks: Ranks = SINGLE
+) -> dict[str, Any]:
+    """Evaluate the population of update t and apply the update; returns the log record.
+
+    With several ranks each evaluates members rank, rank + W, ...; the rewards are all-gathered and every
+    rank applies the same update (esbatch/es/distributed.py).
+    """
     es, gen = cfg.es, cfg.generation
     sampling = SamplingParams(gen.temperature, gen.top_p, gen.max_new_tokens)
     epoch, idx = batch_indices(cfg.run.seed, t, len(probs.train), es.batch_size)
     prompts = [probs.train_prompts[i] for i in idx]
     members = draw_population(cfg.run.seed, t, es.population_size, es.estimator, es.generation_seeds)
-    rewards, n_tokens, t_gen, t_move = [], 0, 0.0, 0.0
-    for m in members:
-        t0 = time.perf_counter()
-        backend.perturb(m.seed, m.sign * es.sigma)
-        t1 = time.perf_counter()
-        gens = backend.generate(prompts, sampling, m.gen_seed)
-        t2 = time.perf_counter()
-        backend.restore()
-        t3 = time.perf_counter()
-        t_gen, t_move = t_gen + (t2 - t1), t_move + (t1 - t0) + (t3 - t2)
-        scores = [reward_of(probs.task.score(g.text, probs.train[i]), cfg) for g, i in zip(gens, idx)]
-        rewards.append(sum(scores) / len(scores))
-        n_tokens += sum(g.n_tokens for g in gens)
+    mine = ranks.mine(len(members))
+    pop = backend.evaluate_population(
+        [(members[i].seed, members[i].sign * es.sigma, members[i].gen_seed) for i in mine], prompts, sampling
+    )
+    local = {}
+    for i, gens in zip(mine, pop.generations):
+        scores = [reward_of(probs.task.score(g.text, probs.train[j]), cfg) for g, j in zip(gens, idx)]
+        local[i] = (sum(scores) / len(scores), sum(g.n_tokens for g in gens))
+    gathered = ranks.gather(len(members), local)
+    rewards = [r for r, _ in gathered]
+    n_tokens = int(sum(k for _, k in gathered))
+    t_gen, t_move = pop.generation_s, pop.perturb_restore_s
     z = normalize(rewards, es.normalization, es.eps_num)
     seeds, weights = direction_weights(members, z)
     t4 = time.perf_counter()
     stats = backend.update(seeds, weights, es.alpha, es.population_size)
     t_upd = time.perf_counter() - t4
+    ranks.check_in_sync(backend.checksum() if ranks.world > 1 else None, t)
     n = len(rewards)
     mean = sum(rewards) / n
     flops = _update_flops(backend, prompts, n_tokens, es.population_size)
@@ -105,7 +114,7 @@ def es_step(cfg: TrainConfig, backend: GenerationBackend, probs: Problems, t: in
         "time/update_s": t_upd,
         "time/total_s": t_gen + t_move + t_upd,
         "tokens/generated": n_tokens,
-        "tokens/per_s": n_tokens / t_gen if t_gen else 0.0,
+        "tokens/per_s": n_tokens / t_gen / ranks.world if t_gen else 0.0,  # per rank (rank 0's time)
         "epoch": epoch,
         **({"flops/update": flops} if flops is not None else {}),
     }
@@ -167,7 +176,7 @@ def train(
     import torch
     from tqdm.auto import tqdm
 
-    from esbatch.tracking import MLflowTracker, default_tracking_uri, parent_tag, run_tags
+    from esbatch.tracking import MLflowTracker, NullTracker, default_tracking_uri, parent_tag, run_tags
 
     rd = RunDir(run_dir)
     if rd.exists() and not resume:
@@ -175,18 +184,24 @@ def train(
             f"{rd.path} already holds a run. Resume it with `esbatch train --resume {rd.path}`, "
             f"or pick another name with --set run.name=..."
         )
-    rd.path.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        rd.config.write_text(cfg.to_yaml())
+    ranks = init_ranks()  # a world of one unless started by torchrun or a multi-task SLURM job
+    lead = ranks.lead  # rank 0 writes the run folder and MLflow; every rank computes the same center
+    if lead:
+        rd.path.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            rd.config.write_text(cfg.to_yaml())
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
 
     t_start = time.perf_counter()
     uri = cfg.tracking.uri or default_tracking_uri(cfg.run.output_dir)
+    if not lead:
+        tracker = NullTracker()
     tracker = tracker or MLflowTracker(uri, cfg.tracking.experiment, Path(cfg.run.output_dir) / "mlartifacts")
     backend = BACKENDS.get(cfg.backend.name).from_config(cfg)
     probs = load_problems(cfg, backend)
     total = cfg.total_updates(len(probs.train))
+    ranks.barrier()  # the lead has written the folder; everyone reads the same records below
 
     # ---- resume: newest center checkpoint + replay of the logged updates after it
     records = rd.updates() if resume else []
@@ -197,18 +212,26 @@ def train(
         backend.load_center(state)
     replay(backend, records[t_ckpt:])
     start = len(records)
+    ranks.check_in_sync(backend.checksum() if ranks.world > 1 else None, start - 1)
 
     # ---- tracking
     meta = rd.read_meta()
     run_id = tracker.start(
         run_name or cfg.run.name,
         flatten(cfg.to_dict()),
-        {**run_tags(), "algorithm": "es", **(tags or {}), **parent_tag(cfg.tracking.parent_run_id)},
+        {
+            **run_tags(),
+            "algorithm": "es",
+            "world_size": str(ranks.world),
+            **(tags or {}),
+            **parent_tag(cfg.tracking.parent_run_id),
+        },
         run_id=meta.get("mlflow_run_id") if resume else None,
     )
-    rd.write_meta(mlflow_run_id=run_id, tracking_uri=uri, total_updates=total, status="running")
-    if not resume:
-        tracker.log_artifact(rd.config)
+    if lead:
+        rd.write_meta(mlflow_run_id=run_id, tracking_uri=uri, total_updates=total, status="running")
+        if not resume:
+            tracker.log_artifact(rd.config)
     last = tracker.last_step("reward/mean") if resume else -1
     for r in records[max(last, 0) :]:  # updates finished but not yet logged (step = t + 1) when the run died
         tracker.log_metrics(r["metrics"], step=r["t"] + 1)
@@ -217,7 +240,7 @@ def train(
 
     def maybe_eval(t: int, force: bool = False) -> dict[str, float]:
         due = force or (cfg.eval.every and t % cfg.eval.every == 0)
-        if not due or t in done_evals or not probs.heldout:
+        if not lead or not due or t in done_evals or not probs.heldout:
             return {}
         scores = evaluate_heldout(cfg, backend, probs)
         rd.append_eval({"t": t, **scores})
@@ -227,26 +250,27 @@ def train(
 
     maybe_eval(0, force=True)
     last_eval = {}
-    bar = tqdm(total=total, initial=start, desc="ES", unit="upd", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=total, initial=start, desc="ES", unit="upd", disable=not (progress and lead), dynamic_ncols=True)
     status = "FAILED"
     try:
         for t in range(start, total):
             if STOP.is_set():  # SIGTERM asked us to stop: do it here, never inside an MLflow write
                 raise KeyboardInterrupt
-            rec = es_step(cfg, backend, probs, t)
-            rd.append_update(rec)  # the durable record: written before anything else
+            rec = es_step(cfg, backend, probs, t, ranks)
             m = rec["metrics"]
-            tracker.log_metrics({**m, "memory/peak_rss_mb": peak_rss_mb()}, step=t + 1)
-            if (t + 1) % cfg.checkpoint.every == 0 or t + 1 == total:
-                rd.save_center(backend.center_state_dict(), t + 1)
-                t_ckpt = t + 1
+            if lead:
+                rd.append_update(rec)  # the durable record: written before anything else
+                tracker.log_metrics({**m, "memory/peak_rss_mb": peak_rss_mb()}, step=t + 1)
+                if (t + 1) % cfg.checkpoint.every == 0 or t + 1 == total:
+                    rd.save_center(backend.center_state_dict(), t + 1)
+                    t_ckpt = t + 1
             last_eval = maybe_eval(t + 1, force=(t + 1 == total)) or last_eval
             post = {"reward": f"{m['reward/mean']:.3f}", "s/upd": f"{m['time/total_s']:.1f}"}
             if last_eval:
                 post["heldout"] = f"{last_eval['heldout/accuracy']:.3f}"
             bar.set_postfix(post)
             bar.update(1)
-        if t_ckpt != total:  # died after the last update was logged, before its checkpoint
+        if lead and t_ckpt != total:  # died after the last update was logged, before its checkpoint
             rd.save_center(backend.center_state_dict(), total)
         maybe_eval(total, force=True)  # no-op unless the final evaluation was lost the same way
         status = "FINISHED"
@@ -256,8 +280,12 @@ def train(
     finally:
         bar.close()
         if status != "FINISHED":
-            rd.write_meta(status=status.lower())
+            if lead:
+                rd.write_meta(status=status.lower())
             tracker.end(status)
+        ranks.close(ok=status == "FINISHED")
+    if not lead:
+        return {"run_dir": str(rd.path), "updates": total, "rank": ranks.rank, "wall_s": time.perf_counter() - t_start}
 
     tracker.log_artifact(rd.log)
     if rd.eval_log.exists():

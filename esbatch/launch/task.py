@@ -70,8 +70,8 @@ def run_task(sweep_dir: str | Path, key: str, progress: bool = False) -> dict[st
     elif meta.get("parent_run_id"):
         tags["mlflow.parentRunId"] = meta["parent_run_id"]
     if ranks > 1:
-        if cfg.algorithm != "grpo":
-            raise ValueError(f"{cfg.algorithm} runs use one process; set ntasks_per_node: 1 and nodes: 1 for them")
+        if cfg.algorithm == "pipeline":
+            raise ValueError("pipeline runs use one process; set ntasks_per_node: 1 and nodes: 1 for them")
         distributed_env_from_slurm()
     resume = rd.exists()
     if resume and os.environ.get("RANK", "0") == "0":
@@ -81,7 +81,7 @@ def run_task(sweep_dir: str | Path, key: str, progress: bool = False) -> dict[st
         from esbatch.pipeline import run_pipeline
 
         return run_pipeline(cfg, rd.path, resume=resume, progress=progress, run_name=entry["label"], tags=tags)
-    if cfg.algorithm == "grpo":  # one rank per array task here; multi-rank GRPO runs with `esbatch train`
+    if cfg.algorithm == "grpo":
         from esbatch.grpo.trainer import train_grpo
 
         return train_grpo(cfg, rd.path, resume=resume, progress=progress, run_name=entry["label"], tags=tags)
@@ -103,7 +103,7 @@ class SweepTask(Checkpointable):  # type: ignore[misc,valid-type]
 
     def __call__(self, key: str) -> dict[str, Any]:
         summary = run_task(self.sweep_dir, key)
-        return {k: summary[k] for k in ("run_dir", "updates", "mlflow_run_id", "wall_s")}
+        return {k: summary.get(k) for k in ("run_dir", "updates", "mlflow_run_id", "wall_s")}
 
     def checkpoint(self, key: str) -> Any:
         # Everything needed is already on disk (log.jsonl is fsynced after every update), so the

@@ -133,3 +133,24 @@ class MLflowTracker:
         if self.run_id:
             with self._lock():
                 self.client.set_terminated(self.run_id, status=status)
+
+
+class NullTracker:
+    """What ranks other than 0 log to: nothing (rank 0 holds the MLflow run)."""
+
+    experiment_id = None
+    run_id = None
+
+    def start(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def last_step(self, key: str) -> int:
+        return -1
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+
+    def log_artifacts(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+
+    def end(self, status: str = "FINISHED") -> None: ...

@@ -1,0 +1,107 @@
+"""One ES run over several processes (torchrun, or SLURM tasks on several nodes).
+
+Every rank holds the full model and the same center. Member i of an update is evaluated by rank
+i mod W; afterwards only the N rewards (and token counts) travel, by one all-gather, and every rank
+applies the identical update itself (App. G.1 does the same over eight engines). A checksum of the
+centers is compared after each update, so ranks that drifted apart stop the run instead of silently
+training different models. Rewards are tiny, so this uses gloo over TCP even on GPU clusters.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class Ranks:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def lead(self) -> bool:
+        """Rank 0 writes the run folder and MLflow; the others only compute."""
+        return self.rank == 0
+
+    def mine(self, n: int) -> list[int]:
+        """Indices of the members this rank evaluates."""
+        return list(range(self.rank, n, self.world))
+
+    def gather(self, n: int, local: dict[int, Sequence[float]]) -> list[list[float]]:
+        """Each member's values (reward, tokens, ...) from whichever rank evaluated it, on every rank."""
+        if self.world == 1:
+            return [list(local[i]) for i in range(n)]
+        import torch
+        import torch.distributed as dist
+
+        width = len(next(iter(local.values()))) if local else 0
+        width = int(_all_max(width))
+        mine = torch.full((n, width), float("nan"), dtype=torch.float64)
+        for i, vals in local.items():
+            mine[i] = torch.tensor(list(vals), dtype=torch.float64)
+        parts = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(parts, mine)
+        rows = [parts[i % self.world][i].tolist() for i in range(n)]
+        if any(v != v for row in rows for v in row):  # NaN: a rank skipped a member it owned
+            raise RuntimeError("a rank did not report all of its members' rewards")
+        return rows
+
+    def check_in_sync(self, checksum: float | None, t: int) -> None:
+        """Stop the run if the ranks' centers differ after update t."""
+        if self.world == 1 or checksum is None:
+            return
+        import torch
+        import torch.distributed as dist
+
+        parts = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world)]
+        dist.all_gather(parts, torch.tensor([checksum], dtype=torch.float64))
+        sums = [float(p) for p in parts]
+        if len(set(sums)) > 1:
+            raise RuntimeError(
+                f"ranks drifted apart after update {t}: center checksums {sums}. Every rank must apply the "
+                "same update to the same weights; check that all ranks load the same model and dtype."
+            )
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def close(self, ok: bool) -> None:
+        """Leave the process group; after a failure skip the barrier (a peer may be gone)."""
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            if ok:
+                dist.barrier()
+            dist.destroy_process_group()
+
+
+def _all_max(x: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+def init_ranks(timeout_min: float = 30.0) -> Ranks:
+    """Join the process group described by torchrun's or esbatch's SLURM env (RANK, WORLD_SIZE, MASTER_*).
+
+    One process without that env is a world of one and initializes nothing. A rank that dies makes the
+    others' next collective fail (gloo sees the closed connection), and the run is resumable from its folder.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Ranks()
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=timeout_min))
+    return Ranks(dist.get_rank(), dist.get_world_size())

@@ -1,0 +1,93 @@
+"""ES over 2 processes (torchrun, gloo on CPU): the population is split, only rewards travel, and the
+final center equals the single-process run's bit for bit. A rank that dies fails the run loudly and
+the run resumes to the same center."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from test_train_cli import center, esbatch, finish, write_config  # noqa: F401 - shared CLI helpers
+
+from esbatch.tracking import MLflowTracker
+
+UPDATES = 6
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("single")
+    finish(esbatch("train", str(write_config(tmp, tiny_model_dir, "one"))))
+    return tmp / "runs" / "one"
+
+
+def _weights(run_dir: Path) -> list:
+    return [yaml.safe_load(x)["update_weights"] for x in (run_dir / "log.jsonl").read_text().splitlines()]
+
+
+def test_two_ranks_give_the_single_process_center_bit_for_bit(single, tmp_path, tiny_model_dir):
+    out = finish(esbatch("train", str(write_config(tmp_path, tiny_model_dir, "two")), "--set", "run.nproc_per_node=2"))
+    assert "starting 2 ranks" in out
+    run_dir = tmp_path / "runs" / "two"
+    ref, got = center(single), center(run_dir)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert _weights(run_dir) == _weights(single)
+    assert any(w != 0 for ws in _weights(run_dir) for w in ws)  # the rewards varied: the updates were real
+    # one MLflow run (rank 0's), tagged with the world size, each step once
+    meta = yaml.safe_load((run_dir / "run.json").read_text())
+    tracker = MLflowTracker(meta["tracking_uri"], "tests")
+    run = tracker.client.get_run(meta["mlflow_run_id"])
+    assert run.data.tags["world_size"] == "2" and run.info.status == "FINISHED"
+    steps = [m.step for m in tracker.client.get_metric_history(run.info.run_id, "reward/mean")]
+    assert steps == list(range(1, UPDATES + 1))
+
+
+def _pids_of_rank(tag: str, rank: int) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"ESBATCH_TEST_TAG={tag}".encode() in env and f"RANK={rank}".encode() in env:
+            pids.append(int(d.name))
+    return pids
+
+
+def test_a_dead_rank_fails_the_run_loudly_and_it_resumes_bit_exact(single, tmp_path, tiny_model_dir):
+    cfg = str(write_config(tmp_path, tiny_model_dir, "victim"))
+    tag = f"dist-{os.getpid()}-{time.time()}"
+    os.environ["ESBATCH_TEST_TAG"] = tag  # inherited by torchrun's ranks: lets the test find rank 1
+    try:
+        p = esbatch("train", cfg, "--set", "run.nproc_per_node=2")
+    finally:
+        del os.environ["ESBATCH_TEST_TAG"]
+    run_dir = tmp_path / "runs" / "victim"
+    log = run_dir / "log.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        if log.exists() and log.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.05)
+    victims = _pids_of_rank(tag, 1)
+    assert p.poll() is None and victims, "the run ended (or rank 1 vanished) before it could be killed"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode != 0, out
+    assert "a rank failed" in out
+    done = log.read_text().count("\n")
+    assert done < UPDATES
+    status = yaml.safe_load((run_dir / "run.json").read_text())["status"]
+    assert status in ("failed", "killed")
+    finish(esbatch("train", "--resume", str(run_dir)))  # config.yaml keeps nproc_per_node: 2
+    ref, got = center(single), center(run_dir)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert _weights(run_dir) == _weights(single)
