@@ -28,6 +28,7 @@ RESUME_OVERRIDABLE = {
     "grpo.updates",
     "grpo.epochs",
     "run.threads",
+    "backend.engines",  # how many vLLM engines share the population does not change the result
     "eval.every",
     "checkpoint.every",
     "tracking.log_model",
@@ -60,7 +61,12 @@ class RunConfig:
     seed: int = _f(0, "Master seed: perturbation seeds, generation seeds and data order derive from it.")
     output_dir: str = _f("esbatch-runs", "Folder holding run directories (config, checkpoints, logs).")
     threads: int = _f(0, "torch CPU threads (0 = leave torch's default).", ge=0)
-    nproc_per_node: int = _f(1, "GRPO: data-parallel ranks on this node (torchrun is started for > 1).", ge=1)
+    nproc_per_node: int = _f(
+        1,
+        "Processes on this node; torchrun is started for > 1. ES: the population is split over them (only "
+        "rewards are exchanged). GRPO: data-parallel ranks.",
+        ge=1,
+    )
 
 
 @dataclass
@@ -189,7 +195,16 @@ class CheckpointConfig:
 
 @dataclass
 class BackendConfig:
-    name: str = _f("hf", "Generation backend (see `esbatch ls`).")
+    name: str = _f("hf", "Generation backend (see `esbatch ls`): hf, or vllm (imported only when chosen).")
+    engines: int = _f(
+        1, "vllm: engines on this node; the population is sharded over them (one GPU each on GPU nodes).", ge=1
+    )
+    gpu_memory_utilization: float = _f(0.85, "vllm: fraction of each GPU an engine may use.", gt=0, le=1)
+    enable_sleep_mode: bool = _f(False, "vllm: allow engines to release GPU memory between phases (sleep/wake_up).")
+    kv_cache_gb: int = _f(2, "vllm on CPU: KV cache size per engine in whole GiB (VLLM_CPU_KVCACHE_SPACE).", ge=1)
+    max_model_len: int | None = _f(None, "vllm: context length to reserve KV cache for (default: the model's).")
+    prefix_caching: bool = _f(True, "vllm: reuse shared prompt prefixes; reset after every weight change.")
+    cuda_graphs: bool = _f(True, "vllm on GPU: capture CUDA graphs (false = eager mode). Ignored on CPU.")
 
 
 @dataclass
@@ -367,6 +382,11 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
         )
     else:
         TASKS.get(cfg.task.name).check_params(cfg.task.params, "task.params", errors)
+    if cfg.backend.name != "vllm" and cfg.backend.engines != 1:
+        errors.append(
+            f"backend.engines: {cfg.backend.engines} engines need backend.name: vllm (the {cfg.backend.name} backend "
+            "holds one model); to split the population over processes set run.nproc_per_node instead"
+        )
     if cfg.backend.name not in BACKENDS:
         errors.append(
             f"backend.name: unknown backend '{cfg.backend.name}'.{did_you_mean(cfg.backend.name, BACKENDS.names())} "

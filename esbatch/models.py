@@ -115,6 +115,14 @@ def resolve_device(device: str = "auto") -> str:
     return device
 
 
+def model_path(name: str, gguf_file: str | None = None, revision: str | None = None) -> tuple[str, str | None]:
+    """(HF directory or hub id, revision) that plain HF loaders (and vLLM) can read; GGUF -> dequantized copy."""
+    src = resolve_source(name, gguf_file, revision)
+    if src.gguf_file:
+        return str(_dequantized_copy(src)), None
+    return src.path, src.revision
+
+
 def load_model_and_tokenizer(
     name: str,
     gguf_file: str | None = None,
@@ -128,10 +136,7 @@ def load_model_and_tokenizer(
 
     if dtype not in DTYPES:
         raise ValueError(f"model.dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
-    src = resolve_source(name, gguf_file, revision)
-    path, rev = src.path, src.revision
-    if src.gguf_file:
-        path, rev = str(_dequantized_copy(src)), None
+    path, rev = model_path(name, gguf_file, revision)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), revision=rev)
     tok = AutoTokenizer.from_pretrained(path, revision=rev)
     tok.padding_side = "left"

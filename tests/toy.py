@@ -14,8 +14,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_model(path: str | Path, seed: int = 0) -> Path:
-    """Save a 2-layer Llama (hidden 32) with a character-level tokenizer as an HF directory."""
+def make_tiny_model(path: str | Path, seed: int = 0, *, hidden: int = 32, heads: int = 4) -> Path:
+    """Save a 2-layer Llama (hidden 32) with a character-level tokenizer as an HF directory.
+
+    vLLM's CPU attention needs head_dim >= 32 or so: use hidden=128, heads=2 for it."""
     import torch
     from tokenizers import Tokenizer, decoders, models
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -33,11 +35,11 @@ def make_tiny_model(path: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=len(vocab),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
         max_position_embeddings=256,
         tie_word_embeddings=True,
         bos_token_id=2,

