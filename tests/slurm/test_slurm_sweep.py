@@ -307,3 +307,33 @@ def test_grpo_run_with_two_slurm_tasks_is_one_two_rank_deepspeed_job(tmp_path, t
     assert len(log) == 2 and all(len(r["param_checksums"]) == 2 and len(set(r["param_checksums"])) == 1 for r in log)
     _, _, (kid,) = children(sweep_dir, "g2")
     assert kid.data.tags["world_size"] == "2" and kid.info.status == "FINISHED"
+
+
+def test_es_run_with_two_slurm_tasks_splits_the_population_and_matches_one_process(tmp_path, tiny_model_dir):
+    """ntasks_per_node: 2 -> two srun ranks share one ES run's population (the multi-node path, on one
+    node); the center equals a single-process run of the same config bit for bit."""
+    base = tiny_base(tmp_path, tiny_model_dir, updates=3)
+    sweep = {
+        "name": "es2",
+        "base": str(base),
+        "output_dir": str(tmp_path / "out"),
+        "launcher": "slurm-local",
+        "launcher_overrides": {"mem": "1000M", "ntasks_per_node": 2, "aggregate_job": False},
+    }
+    path = tmp_path / "es2.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    out, calls = cli(tmp_path, "sweep", str(path), "--wait")
+    assert calls == 1 and "1 runs: 1 finished" in out, out
+    sweep_dir = tmp_path / "out" / "es2"
+    (key,) = [p.name for p in (sweep_dir / "runs").iterdir()]
+    _, _, (kid,) = children(sweep_dir, "es2")
+    assert kid.data.tags["world_size"] == "2" and kid.info.status == "FINISHED"
+    # the same config in one process, outside SLURM
+    single = yaml.safe_load((sweep_dir / "plan" / f"{key}.yaml").read_text())
+    single["run"].update(name="single", output_dir=str(tmp_path / "single"))
+    single["tracking"] = {"uri": f"sqlite:///{tmp_path / 'single.db'}"}
+    (tmp_path / "single.yaml").write_text(yaml.safe_dump(single))
+    cli(tmp_path, "train", str(tmp_path / "single.yaml"), "--no-progress")
+    a = load_file(sweep_dir / "runs" / key / "center.safetensors")
+    b = load_file(tmp_path / "single" / "single" / "center.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
