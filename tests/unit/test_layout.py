@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -90,3 +92,12 @@ def test_mismatches_are_reported_by_name() -> None:
         hf_views(bad, shapes)
     with pytest.raises(ValueError, match="does not fit"):
         hf_views(engine, {**shapes, "model.norm.weight": (33,)})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_choosing_vllm_without_vllm_says_how_to_install_it(tmp_path) -> None:
+    from esbatch.backends import BACKENDS
+
+    cls = BACKENDS.get("vllm")  # the backend module itself imports without vLLM (validation never needs it)
+    with pytest.raises(ImportError, match="setup-vllm.sh"):
+        cls(str(tmp_path))
