@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-# tests/vllm need the second environment (scripts/setup-vllm.sh): `.venv-vllm/bin/python -m pytest tests/vllm`.
+# tests/vllm_cpu need the second environment (scripts/setup-vllm.sh): `.venv-vllm/bin/python -m pytest tests/vllm_cpu`.
 # Elsewhere they are not collected, so an explicit run without vLLM collects nothing and pytest exits 5 (fails).
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
+# (the folder is not called "vllm": on sys.path it would shadow the package as a namespace package)
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_cpu"]
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))

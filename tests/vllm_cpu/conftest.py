@@ -1,5 +1,5 @@
 """vLLM backend tests: they run in the second environment (`bash scripts/setup-vllm.sh`):
-`.venv-vllm/bin/python -m pytest -q tests/vllm` (tests/conftest.py leaves them out elsewhere)."""
+`.venv-vllm/bin/python -m pytest -q tests/vllm_cpu` (tests/conftest.py leaves them out elsewhere)."""
 
 import os
 
