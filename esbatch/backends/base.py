@@ -121,6 +121,10 @@ class GenerationBackend(ABC):
     def save_pretrained(self, path: str | Path) -> None:
         """Write the center as an HF model directory (weights in the compute dtype + tokenizer)."""
 
+    def close(self) -> None:
+        """Release engine processes (no-op for in-process backends); the backend is unusable afterwards."""
+        return None
+
     def memory_report(self) -> dict[str, float]:
         """Bytes held by the backend beyond the model itself (master copy, theta_0, ...)."""
         return {}

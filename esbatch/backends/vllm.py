@@ -13,6 +13,7 @@ On GPU nodes engine e sees GPU e only (CUDA_VISIBLE_DEVICES, set while it starts
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -303,6 +304,17 @@ class VLLMBackend(GenerationBackend):
 
     def memory_report(self) -> dict[str, float]:
         return self._rpc(0, "es_memory")
+
+    def close(self) -> None:
+        """Stop the engines' processes now (otherwise they stop at interpreter exit, after logging is gone)."""
+        for llm in self.engines:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception as e:  # noqa: BLE001 - an engine that already died must not hide the real error
+                print(f"warning: vLLM engine shutdown: {e}", file=sys.stderr)
+        self.engines = []
+        if self._pool is not None:
+            self._pool.shutdown()
 
     def sleep(self, level: int = 1) -> None:
         """Free accelerator memory between phases (needs backend.enable_sleep_mode); wake_up() before use."""

@@ -283,8 +283,10 @@ def train(
             if lead:
                 rd.write_meta(status=status.lower())
             tracker.end(status)
+            backend.close()
         ranks.close(ok=status == "FINISHED")
     if not lead:
+        backend.close()
         return {"run_dir": str(rd.path), "updates": total, "rank": ranks.rank, "wall_s": time.perf_counter() - t_start}
 
     tracker.log_artifact(rd.log)
@@ -294,6 +296,8 @@ def train(
         final = rd.path / "final_model"
         backend.save_pretrained(final)
         tracker.log_artifacts(final, "final_model")
+    memory = backend.memory_report()
+    backend.close()
     evals = sorted(rd.evals(), key=lambda e: e["t"])
     rd.write_meta(status="finished")
     tracker.end("FINISHED")
@@ -306,6 +310,6 @@ def train(
         "wall_s": time.perf_counter() - t_start,
         "heldout_first": evals[0] if evals else None,
         "heldout_last": evals[-1] if evals else None,
-        "memory": backend.memory_report(),
+        "memory": memory,
         "peak_rss_mb": peak_rss_mb(),
     }

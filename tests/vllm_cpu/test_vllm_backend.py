@@ -26,7 +26,7 @@ def both():
     questions = ["What is 12 + 35?", "Name a prime number above 50.", "What is the capital of France?", "2*7=?"]
     prompts = [hb.chat_prompt([{"role": "user", "content": q}]) for q in questions]
     yield vb, hb, prompts
-    del vb
+    vb.close()
 
 
 def texts(backend, prompts, sampling=GREEDY, seed=0):

@@ -62,14 +62,17 @@ def test_engines_that_drift_apart_stop_the_run(tmp_path, vllm_tiny):
     from esbatch.backends.vllm import VLLMBackend
 
     vb = VLLMBackend(str(vllm_tiny), engines=2, kv_cache_gb=1, max_model_len=256)
-    assert vb.checksum() is not None
-    center = vb.center_state_dict()
-    off = {n: t + (1e-3 if n == "model.norm.weight" else 0.0) for n, t in center.items()}
-    path = tmp_path / "off.safetensors"
-    save_file(off, str(path))
-    vb._rpc(1, "es_load", str(path))  # engine 1 alone gets different weights
-    with pytest.raises(RuntimeError, match="engines drifted apart"):
-        vb.update([1, 2], [0.5, -0.5], alpha=0.01, n=2)
+    try:
+        assert vb.checksum() is not None
+        center = vb.center_state_dict()
+        off = {n: t + (1e-3 if n == "model.norm.weight" else 0.0) for n, t in center.items()}
+        path = tmp_path / "off.safetensors"
+        save_file(off, str(path))
+        vb._rpc(1, "es_load", str(path))  # engine 1 alone gets different weights
+        with pytest.raises(RuntimeError, match="engines drifted apart"):
+            vb.update([1, 2], [0.5, -0.5], alpha=0.01, n=2)
+    finally:
+        vb.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: one engine per GPU with CUDA graphs")
@@ -82,3 +85,4 @@ def test_one_engine_per_gpu_with_cuda_graphs(tmp_path, vllm_tiny):
     out = vb.evaluate_population([(s, 0.01, s) for s in range(2 * n)], ["1+1="], SamplingParams(1.0, 1.0, 8))
     assert len(out.generations) == 2 * n
     vb.update([1, 2], [0.5, -0.5], alpha=0.01, n=2)  # checksums agree across GPUs
+    vb.close()
