@@ -105,7 +105,7 @@ class VLLMBackend(GenerationBackend):
                 env["CUDA_VISIBLE_DEVICES"] = visible[e]
             else:
                 share = cores[e * per : (e + 1) * per] or cores[-1:]
-                env["VLLM_CPU_OMP_THREADS_BIND"] = f"{share[0]}-{share[-1]}"
+                env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, share))  # libnuma list: gaps allowed
             with _env(**env):
                 llm = vllm.LLM(
                     model=model_dir,
