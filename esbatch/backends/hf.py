@@ -1,10 +1,6 @@
 """HF transformers backend: batched sampling with a KV cache and left padding; in-place weight moves.
 
-The center lives in an fp32 master copy (``self.master``). The live parameters are always
-``master.to(compute dtype)`` at the center, so ``restore()`` is an exact copy, and a perturbation is
-computed in fp32 and rounded once. Cost: one fp32 copy of the parameters (4 bytes/param), plus
-another for theta_0 when drift tracking is on. In-place add/subtract would need no copy but does not
-restore exactly (8% of SmolLM2 fp32 elements off after one cycle at sigma=0.01, measured).
+The parameters follow an fp32 center (``self.master``) with exact restore: esbatch/backends/weights.py.
 """
 
 from __future__ import annotations
@@ -16,8 +12,7 @@ from typing import Any
 import torch
 
 from esbatch.backends.base import Generation, GenerationBackend, SamplingParams, UpdateStats
-from esbatch.es.core import es_update
-from esbatch.es.noise import direction
+from esbatch.backends.weights import CenteredWeights
 
 
 class HFGenerator:
@@ -116,13 +111,12 @@ class _EntropyMeter:
 
 
 class HFBackend(HFGenerator, GenerationBackend):
+    """One HF model whose parameters follow an fp32 center (esbatch/backends/weights.py)."""
+
     def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 64, track_drift: bool = True) -> None:
         super().__init__(model, tokenizer, batch_size=batch_size)
-        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())  # tied weights once
-        self.master = {n: p.detach().to(torch.float32, copy=True) for n, p in self.params.items()}
-        self.theta0 = {n: t.clone() for n, t in self.master.items()} if track_drift else None
-        self._theta0_norm = _norm(self.theta0.values()) if self.theta0 else None
-        self.perturbed = False
+        self.weights = CenteredWeights(dict(model.named_parameters()), track_drift)  # tied weights once
+        self.params, self.master, self.theta0 = self.weights.live, self.weights.master, self.weights.theta0
 
     @classmethod
     def from_config(cls, cfg: Any) -> HFBackend:
@@ -138,55 +132,31 @@ class HFBackend(HFGenerator, GenerationBackend):
         return backend
 
     # ---------------------------------------------------------------- weights
-    @torch.no_grad()
+    @property
+    def perturbed(self) -> bool:
+        return self.weights.perturbed
+
     def perturb(self, seed: int, scale: float) -> None:
-        if self.perturbed:
-            raise RuntimeError("perturb() called on perturbed weights; call restore() first")
-        self.perturbed = True
-        for name, p in self.params.items():
-            eps = direction(seed, name, p.shape).to(p.device)
-            p.copy_(eps.mul_(scale).add_(self.master[name]))
+        self.weights.perturb(seed, scale)
 
-    @torch.no_grad()
     def restore(self) -> None:
-        for name, p in self.params.items():
-            p.copy_(self.master[name])
-        self.perturbed = False
+        self.weights.restore()
 
-    @torch.no_grad()
     def update(self, seeds: Sequence[int], weights: Sequence[float], alpha: float, n: int) -> UpdateStats:
-        if self.perturbed:
-            raise RuntimeError("update() called on perturbed weights; call restore() first")
-        l2 = es_update(self.master, seeds, weights, alpha, n)
-        changed = total = 0
-        for name, p in self.params.items():
-            new = self.master[name].to(p.dtype)
-            changed += int((new != p).sum())
-            total += p.numel()
-            p.copy_(new)
-        return UpdateStats(update_l2=l2, changed_fraction=changed / total, rel_distance=self.rel_distance())
+        l2, changed = self.weights.update(seeds, weights, alpha, n)
+        return UpdateStats(update_l2=l2, changed_fraction=changed, rel_distance=self.weights.rel_distance())
 
     def rel_distance(self) -> float | None:
-        if self.theta0 is None:
-            return None
-        diff = _norm(self.master[n] - t0 for n, t0 in self.theta0.items())
-        return diff / self._theta0_norm
+        return self.weights.rel_distance()
 
     def checksum(self) -> float:
-        return center_checksum(self.master)
+        return self.weights.checksum()
 
     def center_state_dict(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in self.master.items()}
 
-    @torch.no_grad()
     def load_center(self, state: dict[str, torch.Tensor]) -> None:
-        missing = set(self.master) ^ set(state)
-        if missing:
-            raise KeyError(f"checkpoint and model disagree on parameters: {sorted(missing)[:5]}")
-        for name, t in state.items():
-            self.master[name].copy_(t)
-            self.params[name].copy_(self.master[name])
-        self.perturbed = False
+        self.weights.load(state)
 
     def save_pretrained(self, path: str | Path) -> None:
         if self.perturbed:
@@ -195,17 +165,4 @@ class HFBackend(HFGenerator, GenerationBackend):
         self.tok.save_pretrained(path)
 
     def memory_report(self) -> dict[str, float]:
-        model_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
-        master_bytes = sum(t.numel() * 4 for t in self.master.values())
-        theta0_bytes = master_bytes if self.theta0 is not None else 0
-        return {"model_bytes": model_bytes, "master_bytes": master_bytes, "theta0_bytes": theta0_bytes}
-
-
-@torch.no_grad()
-def center_checksum(center: dict[str, torch.Tensor]) -> float:
-    """sum_k (k+1) * sum(tensor_k) in float64, tensors in name order: position-sensitive and cheap."""
-    return float(sum(float(center[n].sum(dtype=torch.float64)) * (k + 1) for k, n in enumerate(sorted(center))))
-
-
-def _norm(tensors: Any) -> float:
-    return sum(float(t.double().square().sum()) for t in tensors) ** 0.5
+        return self.weights.memory_report()

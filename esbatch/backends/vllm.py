@@ -121,9 +121,9 @@ class VLLMBackend(GenerationBackend):
                 )
             self.engines.append(llm)
         self.prefix_caching = prefix_caching
+        self._pool = ThreadPoolExecutor(max_workers=engines) if engines > 1 else None
         self._rpc_all("es_setup", self.hf_shapes, track_drift)
         self.perturbed = False
-        self._pool = ThreadPoolExecutor(max_workers=engines) if engines > 1 else None
 
     @classmethod
     def from_config(cls, cfg: Any) -> VLLMBackend:
@@ -161,7 +161,7 @@ class VLLMBackend(GenerationBackend):
         return res
 
     def _rpc_all(self, method: str, *args: Any) -> list[dict[str, Any]]:
-        if len(self.engines) == 1 or getattr(self, "_pool", None) is None:
+        if self._pool is None:
             return [self._rpc(e, method, *args) for e in range(len(self.engines))]
         return list(self._pool.map(lambda e: self._rpc(e, method, *args), range(len(self.engines))))
 

@@ -29,15 +29,13 @@ class Ranks:
         """Indices of the members this rank evaluates."""
         return list(range(self.rank, n, self.world))
 
-    def gather(self, n: int, local: dict[int, Sequence[float]]) -> list[list[float]]:
-        """Each member's values (reward, tokens, ...) from whichever rank evaluated it, on every rank."""
+    def gather(self, n: int, local: dict[int, Sequence[float]], width: int) -> list[list[float]]:
+        """Each member's ``width`` values (reward, tokens, ...) from whichever rank evaluated it, on every rank."""
         if self.world == 1:
             return [list(local[i]) for i in range(n)]
         import torch
         import torch.distributed as dist
 
-        width = len(next(iter(local.values()))) if local else 0
-        width = int(_all_max(width))
         mine = torch.full((n, width), float("nan"), dtype=torch.float64)
         for i, vals in local.items():
             mine[i] = torch.tensor(list(vals), dtype=torch.float64)
@@ -80,15 +78,6 @@ class Ranks:
             if ok:
                 dist.barrier()
             dist.destroy_process_group()
-
-
-def _all_max(x: int) -> int:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([x], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t)
 
 
 def init_ranks(timeout_min: float = 30.0) -> Ranks:

@@ -88,7 +88,7 @@ def es_step(
     for i, gens in zip(mine, pop.generations):
         scores = [reward_of(probs.task.score(g.text, probs.train[j]), cfg) for g, j in zip(gens, idx)]
         local[i] = (sum(scores) / len(scores), sum(g.n_tokens for g in gens))
-    gathered = ranks.gather(len(members), local)
+    gathered = ranks.gather(len(members), local, width=2)
     rewards = [r for r, _ in gathered]
     n_tokens = int(sum(k for _, k in gathered))
     t_gen, t_move = pop.generation_s, pop.perturb_restore_s
@@ -196,8 +196,9 @@ def train(
     t_start = time.perf_counter()
     uri = cfg.tracking.uri or default_tracking_uri(cfg.run.output_dir)
     if not lead:
-        tracker = NullTracker()
-    tracker = tracker or MLflowTracker(uri, cfg.tracking.experiment, Path(cfg.run.output_dir) / "mlartifacts")
+        tracker = NullTracker()  # rank 0 holds the MLflow run
+    elif tracker is None:
+        tracker = MLflowTracker(uri, cfg.tracking.experiment, Path(cfg.run.output_dir) / "mlartifacts")
     backend = BACKENDS.get(cfg.backend.name).from_config(cfg)
     probs = load_problems(cfg, backend)
     total = cfg.total_updates(len(probs.train))
