@@ -3,6 +3,9 @@ varies for random text (so ES updates are non-zero). Nothing is downloaded."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from esbatch.tasks.base import Example, Task, disjoint_splits
@@ -12,6 +15,18 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_esbatch(*args: str, timeout: float = 600, threads: int | None = 1) -> subprocess.CompletedProcess:
+    """`python -m esbatch ARGS` from the repository root, toy tasks importable, output captured."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    cmd = [sys.executable, "-m", "esbatch", *args]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def make_tiny_model(path: str | Path, seed: int = 0, *, hidden: int = 32, heads: int = 4) -> Path:

@@ -1,13 +1,11 @@
 """`esbatch eval` on the real SmolLM2-135M-Instruct: fixture GSM8K problems -> table, samples, MLflow run."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from toy import run_esbatch
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -35,15 +33,7 @@ def test_smollm2_eval_through_cli(tmp_path):
     }
     path = tmp_path / "eval.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    p = subprocess.run(
-        [sys.executable, "-m", "esbatch", "eval", str(path), "--no-progress"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    p = run_esbatch("eval", str(path), "--no-progress", timeout=900, threads=2)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "| GSM8K |" in p.stdout and "| arithmetic |" in p.stdout and "**Average**" in p.stdout
     assert "tokens/s" in p.stdout

@@ -1,17 +1,13 @@
 """GRPO through the CLI on DeepSpeed (CPU, gloo): 2 ranks really run; weights change and ranks agree."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 import yaml
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
-
-ROOT = Path(__file__).resolve().parents[2]
+from toy import run_esbatch
 
 
 def write_cfg(tmp: Path, model_dir: Path, **grpo) -> Path:
@@ -33,15 +29,7 @@ def write_cfg(tmp: Path, model_dir: Path, **grpo) -> Path:
 
 def test_two_rank_deepspeed_grpo_steps(tmp_path, tiny_model_dir):
     path = write_cfg(tmp_path, tiny_model_dir, beta=0.05)  # beta > 0: a frozen reference and a k3 KL term
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(
-        [sys.executable, "-m", "esbatch", "train", str(path), "--no-progress"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    p = run_esbatch("train", str(path), "--no-progress")
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     assert "starting 2 ranks" in out and "done: 2 GRPO steps on 2 rank(s)" in out
@@ -81,15 +69,7 @@ def test_two_rank_deepspeed_grpo_steps(tmp_path, tiny_model_dir):
 
 def test_grpo_resume_continues_from_the_deepspeed_checkpoint(tmp_path, tiny_model_dir):
     path = write_cfg(tmp_path, tiny_model_dir)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
-    run = lambda *a: subprocess.run(
-        [sys.executable, "-m", "esbatch", "train", *a, "--no-progress"],
-        env=env,  # noqa: E731
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = lambda *a: run_esbatch("train", *a, "--no-progress")  # noqa: E731
     p = run(str(path))
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     rd = tmp_path / "runs" / "g"

@@ -1,21 +1,16 @@
 """es -> grpo pipeline with tiny budgets: both stages run, weights flow, MLflow nests the stages."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
+from toy import run_esbatch
 
 from esbatch.config import ConfigError, config_from_dict
 from esbatch.pipeline import stage_budgets
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -50,15 +45,7 @@ def test_es_then_grpo_pipeline(tmp_path, tiny_model_dir):
     }
     path = tmp_path / "pipe.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(
-        [sys.executable, "-m", "esbatch", "train", str(path), "--no-progress"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    p = run_esbatch("train", str(path), "--no-progress")
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     rd = tmp_path / "runs" / "p"
     es_log = (rd / "stage1-es" / "log.jsonl").read_text().splitlines()
@@ -77,14 +64,7 @@ def test_es_then_grpo_pipeline(tmp_path, tiny_model_dir):
     assert set(kids) == {"es", "grpo"} and parent.info.status == "FINISHED"
     assert json.loads((rd / "run.json").read_text())["status"] == "finished"
     # re-running finds both stages finished and trains nothing
-    p = subprocess.run(
-        [sys.executable, "-m", "esbatch", "train", "--resume", str(rd), "--no-progress"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    p = run_esbatch("train", "--resume", str(rd), "--no-progress", timeout=300)
     assert p.returncode == 0 and "pipeline stage" not in p.stderr
 
 
@@ -110,15 +90,7 @@ def test_pipelines_are_swept_like_any_config(tmp_path, tiny_model_dir):
         "grid": {"pipeline.stages": [["es", "grpo"], ["grpo", "es"]]},
     }
     (tmp_path / "order.yaml").write_text(yaml.safe_dump(sweep))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(
-        [sys.executable, "-m", "esbatch", "sweep", str(tmp_path / "order.yaml")],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    p = run_esbatch("sweep", str(tmp_path / "order.yaml"), timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert "2 runs: 2 finished" in p.stdout
     runs = sorted((tmp_path / "out" / "order" / "runs").iterdir())

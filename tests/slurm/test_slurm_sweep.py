@@ -278,6 +278,24 @@ def test_offline_stores_merge_once_and_arrays_split(tmp_path, tiny_model_dir):
     assert "population_size=6" in (sweep_dir / "results" / "popsize_table.md").read_text()
 
 
+def sweep_two_tasks(tmp: Path, name: str, base: Path) -> tuple[Path, str]:
+    """One run of ``base`` as a 2-task SLURM job; returns (sweep folder, run key) once it has finished."""
+    sweep = {
+        "name": name,
+        "base": str(base),
+        "output_dir": str(tmp / "out"),
+        "launcher": "slurm-local",
+        "launcher_overrides": {"mem": "1000M", "ntasks_per_node": 2, "aggregate_job": False},
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    out, calls = cli(tmp, "sweep", str(path), "--wait")
+    assert calls == 1 and "1 runs: 1 finished" in out, out
+    sweep_dir = tmp / "out" / name
+    (key,) = [p.name for p in (sweep_dir / "runs").iterdir()]
+    return sweep_dir, key
+
+
 def test_grpo_run_with_two_slurm_tasks_is_one_two_rank_deepspeed_job(tmp_path, tiny_model_dir):
     """ntasks_per_node: 2 -> srun starts two ranks of one GRPO run (the multi-node path, on one node)."""
     base = {
@@ -290,19 +308,7 @@ def test_grpo_run_with_two_slurm_tasks_is_one_two_rank_deepspeed_job(tmp_path, t
         "eval": {"every": 0},
     }
     (tmp_path / "grpo-base.yaml").write_text(yaml.safe_dump(base))
-    sweep = {
-        "name": "g2",
-        "base": str(tmp_path / "grpo-base.yaml"),
-        "output_dir": str(tmp_path / "out"),
-        "launcher": "slurm-local",
-        "launcher_overrides": {"mem": "1000M", "ntasks_per_node": 2, "aggregate_job": False},
-    }
-    path = tmp_path / "g2.yaml"
-    path.write_text(yaml.safe_dump(sweep))
-    out, calls = cli(tmp_path, "sweep", str(path), "--wait")
-    assert calls == 1 and "1 runs: 1 finished" in out, out
-    sweep_dir = tmp_path / "out" / "g2"
-    (key,) = [p.name for p in (sweep_dir / "runs").iterdir()]
+    sweep_dir, key = sweep_two_tasks(tmp_path, "g2", tmp_path / "grpo-base.yaml")
     log = [json.loads(x) for x in (sweep_dir / "runs" / key / "log.jsonl").read_text().splitlines()]
     assert len(log) == 2 and all(len(r["param_checksums"]) == 2 and len(set(r["param_checksums"])) == 1 for r in log)
     _, _, (kid,) = children(sweep_dir, "g2")
@@ -312,20 +318,7 @@ def test_grpo_run_with_two_slurm_tasks_is_one_two_rank_deepspeed_job(tmp_path, t
 def test_es_run_with_two_slurm_tasks_splits_the_population_and_matches_one_process(tmp_path, tiny_model_dir):
     """ntasks_per_node: 2 -> two srun ranks share one ES run's population (the multi-node path, on one
     node); the center equals a single-process run of the same config bit for bit."""
-    base = tiny_base(tmp_path, tiny_model_dir, updates=3)
-    sweep = {
-        "name": "es2",
-        "base": str(base),
-        "output_dir": str(tmp_path / "out"),
-        "launcher": "slurm-local",
-        "launcher_overrides": {"mem": "1000M", "ntasks_per_node": 2, "aggregate_job": False},
-    }
-    path = tmp_path / "es2.yaml"
-    path.write_text(yaml.safe_dump(sweep))
-    out, calls = cli(tmp_path, "sweep", str(path), "--wait")
-    assert calls == 1 and "1 runs: 1 finished" in out, out
-    sweep_dir = tmp_path / "out" / "es2"
-    (key,) = [p.name for p in (sweep_dir / "runs").iterdir()]
+    sweep_dir, key = sweep_two_tasks(tmp_path, "es2", tiny_base(tmp_path, tiny_model_dir, updates=3))
     _, _, (kid,) = children(sweep_dir, "es2")
     assert kid.data.tags["world_size"] == "2" and kid.info.status == "FINISHED"
     # the same config in one process, outside SLURM

@@ -3,17 +3,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
-
-ROOT = Path(__file__).resolve().parents[2]
+from toy import run_esbatch
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +32,7 @@ def train(tmp: Path, model: Path, name: str, engines: int) -> Path:
     }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
-    out = subprocess.run(
-        [sys.executable, "-m", "esbatch", "train", str(path), "--no-progress"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = run_esbatch("train", str(path), "--no-progress", threads=None)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     return tmp / "runs" / name
 
