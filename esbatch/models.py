@@ -146,3 +146,32 @@ def load_model_and_tokenizer(
     model.eval()
     model.requires_grad_(False)
     return model, tok
+
+
+def load_weights(model: Any, state: dict[str, Any] | str | Path, source: str = "") -> None:
+    """Copy fp32 weights (a state dict, or a .safetensors file such as a run's center) into ``model``'s
+    parameters in their own dtype; both must name the same parameters."""
+    import torch
+
+    if not isinstance(state, dict):
+        from safetensors.torch import load_file
+
+        source = source or str(state)
+        state = load_file(str(state))
+    params = dict(model.named_parameters())
+    if diff := set(params) ^ set(state):
+        raise KeyError(f"{source or 'weights'} and the model disagree on parameters: {sorted(diff)[:5]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(state[name].to(p.dtype))
+
+
+def checksum(tensors: Any) -> float:
+    """sum_k (k+1) * sum(tensor_k) in float64 over a name -> tensor mapping in name order: a cheap,
+    position-sensitive fingerprint compared across ranks and engines that must hold the same weights."""
+    import torch
+
+    with torch.no_grad():
+        return float(
+            sum(float(tensors[n].detach().sum(dtype=torch.float64)) * (k + 1) for k, n in enumerate(sorted(tensors)))
+        )

@@ -91,3 +91,21 @@ class DigitTask(Task):
         if ex.answer in response:
             return Verdict.CORRECT
         return Verdict.WRONG if any(c.isdigit() for c in response) else Verdict.MISSING
+
+
+def fuse(hf_state):
+    """The engine layout of an HF state dict (what vLLM's loader builds): used to test ``hf_views``."""
+    import torch
+
+    from esbatch.backends.layout import fused_name
+
+    groups: dict = {}
+    for name, t in hf_state.items():
+        target, pos = fused_name(name) or (name, 0)
+        groups.setdefault(target, []).append((pos, t))
+    return {k: torch.cat([t for _, t in sorted(v, key=lambda x: x[0])]) for k, v in groups.items()}
+
+
+def live_state_dict(backend, engine: int = 0):
+    """The weights a vLLM engine generates with, as fp32 under HF names (to compare with the HF backend)."""
+    return backend._state("live", engine)

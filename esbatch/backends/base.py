@@ -1,6 +1,10 @@
-"""The small interface the trainers talk to. A backend owns the live model: it generates, and it
-moves the weights (perturb from a seed, restore the center, apply an update) without the trainer
-knowing how or where the weights live (one HF model here; vLLM engines in another backend).
+"""The small interface the trainers talk to, in two parts.
+
+``Generator``: render prompts and generate (ES, GRPO and eval all use it). ``ESBackend`` adds the ES weight
+moves: perturb from a seed, restore the center, apply an update (one ``UpdateSpec``), load, checksum,
+without the trainer knowing how or where the weights live (one HF model, or vLLM engines).
+A registered backend (esbatch/backends/__init__.py) builds these for each use: ``for_es(cfg)``,
+``for_inference(model_cfg, center, batch_size)`` and ``for_policy(module, tokenizer, batch_size)``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from esbatch.perturb.update import UpdateSpec
 
 
 @dataclass(frozen=True)
@@ -46,13 +52,8 @@ class PopulationOutput:
     perturb_restore_s: float = 0.0
 
 
-class GenerationBackend(ABC):
-    """Generate with the current weights; perturb/restore/update them in place from seeds."""
-
-    @classmethod
-    @abstractmethod
-    def from_config(cls, cfg: Any) -> GenerationBackend:
-        """Build the backend (load the model) from a validated TrainConfig."""
+class Generator(ABC):
+    """Generate with the current weights."""
 
     @abstractmethod
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
@@ -70,6 +71,29 @@ class GenerationBackend(ABC):
     def num_parameters(self) -> int | None:
         """Parameters of the model (for FLOP accounting); None when unknown."""
         return None
+
+    def close(self) -> None:
+        """Release engine processes (no-op for in-process backends); the backend is unusable afterwards."""
+        return None
+
+
+class ESBackend(Generator):
+    """A generator whose weights follow an fp32 center that ES perturbs, restores and updates in place."""
+
+    @classmethod
+    @abstractmethod
+    def for_es(cls, cfg: Any) -> ESBackend:
+        """Build the backend (load the model) for ES training from a validated run config."""
+
+    @classmethod
+    def for_inference(cls, model: Any, center: Path | None, batch_size: int) -> Generator:
+        """A generator for evaluation: ``model`` (a ModelConfig) with the weights of ``center`` if given."""
+        raise NotImplementedError(f"{cls.__name__} cannot serve evaluations")
+
+    @classmethod
+    def for_policy(cls, module: Any, tokenizer: Any, batch_size: int) -> Generator:
+        """A generator over a model being trained by gradients (GRPO), sharing its weights."""
+        raise NotImplementedError(f"{cls.__name__} cannot generate from a training module")
 
     def evaluate_population(
         self, members: Sequence[tuple[int, float, int]], prompts: Sequence[str], sampling: SamplingParams
@@ -106,8 +130,8 @@ class GenerationBackend(ABC):
         """Put the center back, bit for bit."""
 
     @abstractmethod
-    def update(self, seeds: Sequence[int], weights: Sequence[float], alpha: float, n: int) -> UpdateStats:
-        """center <- center + alpha/n * sum_i weights_i * eps(seeds_i)  (see esbatch.es.core.es_update)."""
+    def update(self, spec: UpdateSpec) -> UpdateStats:
+        """center <- center + alpha/N * sum_i w_i * eps(seed_i)  (esbatch/perturb/update.py:es_update)."""
 
     @abstractmethod
     def center_state_dict(self) -> dict[str, torch.Tensor]:
@@ -120,10 +144,6 @@ class GenerationBackend(ABC):
     @abstractmethod
     def save_pretrained(self, path: str | Path) -> None:
         """Write the center as an HF model directory (weights in the compute dtype + tokenizer)."""
-
-    def close(self) -> None:
-        """Release engine processes (no-op for in-process backends); the backend is unusable afterwards."""
-        return None
 
     def memory_report(self) -> dict[str, float]:
         """Bytes held by the backend beyond the model itself (master copy, theta_0, ...)."""

@@ -1,6 +1,6 @@
 """HF transformers backend: batched sampling with a KV cache and left padding; in-place weight moves.
 
-The parameters follow an fp32 center (``self.master``) with exact restore: esbatch/backends/weights.py.
+The parameters follow an fp32 center (``self.master``) with exact restore: esbatch/perturb/centered.py.
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 
-from esbatch.backends.base import Generation, GenerationBackend, SamplingParams, UpdateStats
-from esbatch.backends.weights import CenteredWeights
+from esbatch.backends.base import ESBackend, Generation, Generator, SamplingParams, UpdateStats
+from esbatch.perturb.centered import CenteredWeights
+from esbatch.perturb.update import UpdateSpec
 
 
-class HFGenerator:
+class HFGenerator(Generator):
     """Batched generation with an HF causal LM (no ES state): what evaluation and inference need."""
 
     def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 64) -> None:
@@ -110,8 +111,8 @@ class _EntropyMeter:
         return (self.total / self.count.clamp(min=1)).tolist()
 
 
-class HFBackend(HFGenerator, GenerationBackend):
-    """One HF model whose parameters follow an fp32 center (esbatch/backends/weights.py)."""
+class HFBackend(HFGenerator, ESBackend):
+    """One HF model whose parameters follow an fp32 center (esbatch/perturb/centered.py)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 64, track_drift: bool = True) -> None:
         super().__init__(model, tokenizer, batch_size=batch_size)
@@ -119,7 +120,7 @@ class HFBackend(HFGenerator, GenerationBackend):
         self.params, self.master, self.theta0 = self.weights.live, self.weights.master, self.weights.theta0
 
     @classmethod
-    def from_config(cls, cfg: Any) -> HFBackend:
+    def for_es(cls, cfg: Any) -> HFBackend:
         from esbatch.models import load_model_and_tokenizer
 
         m = cfg.model
@@ -130,6 +131,19 @@ class HFBackend(HFGenerator, GenerationBackend):
 
             backend.load_center(load_file(m.init_weights))
         return backend
+
+    @classmethod
+    def for_inference(cls, model: Any, center: Path | None, batch_size: int) -> HFGenerator:
+        from esbatch.models import load_model_and_tokenizer, load_weights
+
+        lm, tok = load_model_and_tokenizer(model.name, model.gguf_file, model.revision, model.dtype, model.device)
+        if center is not None:
+            load_weights(lm, center)
+        return HFGenerator(lm, tok, batch_size=batch_size)
+
+    @classmethod
+    def for_policy(cls, module: Any, tokenizer: Any, batch_size: int) -> HFGenerator:
+        return HFGenerator(module, tokenizer, batch_size=batch_size)
 
     # ---------------------------------------------------------------- weights
     @property
@@ -142,12 +156,9 @@ class HFBackend(HFGenerator, GenerationBackend):
     def restore(self) -> None:
         self.weights.restore()
 
-    def update(self, seeds: Sequence[int], weights: Sequence[float], alpha: float, n: int) -> UpdateStats:
-        l2, changed = self.weights.update(seeds, weights, alpha, n)
+    def update(self, spec: UpdateSpec) -> UpdateStats:
+        l2, changed = self.weights.update(spec)
         return UpdateStats(update_l2=l2, changed_fraction=changed, rel_distance=self.weights.rel_distance())
-
-    def rel_distance(self) -> float | None:
-        return self.weights.rel_distance()
 
     def checksum(self) -> float:
         return self.weights.checksum()

@@ -66,12 +66,3 @@ def hf_views(
     if missing := sorted(set(engine_params) - set(parts)):
         raise ValueError(f"engine tensors with no HF counterpart (ES would never move them): {missing[:5]}")
     return views
-
-
-def fuse(hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The engine layout of an HF state dict (what vLLM's loader builds): used to test ``hf_views``."""
-    groups: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for name, t in hf_state.items():
-        target, pos = fused_name(name) or (name, 0)
-        groups.setdefault(target, []).append((pos, t))
-    return {k: torch.cat([t for _, t in sorted(v, key=lambda x: x[0])]) for k, v in groups.items()}

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from esbatch.backends.base import Generation, GenerationBackend, PopulationOutput, SamplingParams, UpdateStats
+from esbatch.backends.base import ESBackend, Generation, PopulationOutput, SamplingParams, UpdateStats
+from esbatch.perturb.update import UpdateSpec
 
 EXTENSION = "esbatch.backends.vllm_worker.ESWorkerExtension"
 
@@ -67,7 +68,7 @@ def hf_parameter_shapes(model_dir: str, revision: str | None = None) -> dict[str
     return {n: list(p.shape) for n, p in model.named_parameters()}
 
 
-class VLLMBackend(GenerationBackend):
+class VLLMBackend(ESBackend):
     def __init__(
         self,
         model_dir: str,
@@ -76,7 +77,6 @@ class VLLMBackend(GenerationBackend):
         dtype: str = "float32",
         engines: int = 1,
         gpu_memory_utilization: float = 0.85,
-        enable_sleep_mode: bool = False,
         kv_cache_gb: int = 2,
         max_model_len: int | None = None,
         prefix_caching: bool = True,
@@ -114,7 +114,6 @@ class VLLMBackend(GenerationBackend):
                     seed=seed,
                     worker_extension_cls=EXTENSION,
                     gpu_memory_utilization=gpu_memory_utilization,
-                    enable_sleep_mode=enable_sleep_mode,
                     enable_prefix_caching=prefix_caching,
                     max_model_len=max_model_len,
                     enforce_eager=not (on_gpu and cuda_graphs),
@@ -126,7 +125,7 @@ class VLLMBackend(GenerationBackend):
         self.perturbed = False
 
     @classmethod
-    def from_config(cls, cfg: Any) -> VLLMBackend:
+    def for_es(cls, cfg: Any) -> VLLMBackend:
         from esbatch.models import model_path
 
         m, b = cfg.model, cfg.backend
@@ -137,7 +136,6 @@ class VLLMBackend(GenerationBackend):
             dtype=m.dtype,
             engines=b.engines,
             gpu_memory_utilization=b.gpu_memory_utilization,
-            enable_sleep_mode=b.enable_sleep_mode,
             kv_cache_gb=b.kv_cache_gb,
             max_model_len=b.max_model_len,
             prefix_caching=b.prefix_caching,
@@ -245,10 +243,10 @@ class VLLMBackend(GenerationBackend):
         self._rpc_all("es_restore")
         self.perturbed = False
 
-    def update(self, seeds: Sequence[int], weights: Sequence[float], alpha: float, n: int) -> UpdateStats:
+    def update(self, spec: UpdateSpec) -> UpdateStats:
         if self.perturbed:
             raise RuntimeError("update() called on perturbed weights; call restore() first")
-        res = self._rpc_all("es_update", list(seeds), list(weights), alpha, n)
+        res = self._rpc_all("es_update", spec.to_dict())
         self._check_in_sync([r["checksum"] for r in res])
         r = res[0]
         return UpdateStats(update_l2=r["l2"], changed_fraction=r["changed"], rel_distance=r["rel"])
@@ -276,10 +274,6 @@ class VLLMBackend(GenerationBackend):
     def center_state_dict(self) -> dict[str, torch.Tensor]:
         return self._state("center")
 
-    def live_state_dict(self, engine: int = 0) -> dict[str, torch.Tensor]:
-        """The weights the engine generates with, as fp32 under HF names (tests compare them with HF's)."""
-        return self._state("live", engine)
-
     def load_center(self, state: dict[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
 
@@ -294,11 +288,10 @@ class VLLMBackend(GenerationBackend):
 
         if self.perturbed:
             raise RuntimeError("save_pretrained() on perturbed weights; call restore() first")
+        from esbatch.models import load_weights
+
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.dtype))
-        center = self.center_state_dict()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(center[name].to(p.dtype))
+        load_weights(model, self.center_state_dict(), "the vLLM center")
         model.save_pretrained(path)
         self.tok.save_pretrained(path)
 
@@ -315,12 +308,3 @@ class VLLMBackend(GenerationBackend):
         self.engines = []
         if self._pool is not None:
             self._pool.shutdown()
-
-    def sleep(self, level: int = 1) -> None:
-        """Free accelerator memory between phases (needs backend.enable_sleep_mode); wake_up() before use."""
-        for llm in self.engines:
-            llm.sleep(level=level)
-
-    def wake_up(self) -> None:
-        for llm in self.engines:
-            llm.wake_up()

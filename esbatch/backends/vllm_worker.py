@@ -1,6 +1,6 @@
 """ES weight moves inside each vLLM worker process: ``LLM(worker_extension_cls=...)`` + ``collective_rpc``.
 
-The same code as the HF backend (esbatch/backends/weights.py), on views of vLLM's own tensors named
+The same code as the HF backend (esbatch/perturb/centered.py), on views of vLLM's own tensors named
 by their HF names (esbatch/backends/layout.py): perturb = copy(master + scale * eps), restore =
 copy(master), update = es_update on the fp32 master then copy. So one seed gives the same weights in
 both backends and the center is restored bit for bit.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ class ESWorkerExtension:
     @_safe
     def es_setup(self, hf_shapes: dict[str, list[int]], track_drift: bool) -> dict[str, Any]:
         from esbatch.backends.layout import hf_views
-        from esbatch.backends.weights import CenteredWeights
+        from esbatch.perturb.centered import CenteredWeights
 
         params = dict(self.model_runner.model.named_parameters())
         empty = [n for n, p in params.items() if p.numel() == 0]
@@ -77,8 +77,10 @@ class ESWorkerExtension:
         return {}
 
     @_safe
-    def es_update(self, seeds: Sequence[int], weights: Sequence[float], alpha: float, n: int) -> dict[str, Any]:
-        l2, changed = self.es.update(seeds, weights, alpha, n)
+    def es_update(self, spec: dict[str, Any]) -> dict[str, Any]:
+        from esbatch.perturb.update import UpdateSpec
+
+        l2, changed = self.es.update(UpdateSpec.from_record(spec))
         return {"l2": l2, "changed": changed, "rel": self.es.rel_distance(), "checksum": self.es.checksum()}
 
     @_safe

@@ -1,14 +1,15 @@
-"""The ES math: population layout, reward normalization, and the center update (paper App. G.1)."""
+"""The ES math: population layout and reward normalization (paper App. G.1).
+
+The center update itself, theta += alpha/N sum_i w_i eps_i, is applied by the backend holding the weights:
+esbatch/perturb/update.py:es_update.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-
-from esbatch.es.noise import direction
 
 
 @dataclass(frozen=True)
@@ -71,30 +72,3 @@ def direction_weights(members: Sequence[Member], z: Sequence[float]) -> tuple[li
     for m, zi in zip(members, z):
         w[m.seed] = w.get(m.seed, 0.0) + m.sign * float(zi)
     return list(w), list(w.values())
-
-
-@torch.no_grad()
-def es_update(
-    center: Mapping[str, torch.Tensor], seeds: Sequence[int], weights: Sequence[float], alpha: float, n: int
-) -> float:
-    r"""Apply the ES step to the fp32 center in place and return the update's L2 norm.
-
-        theta_{t+1} = theta_t + alpha / N * sum_i w_i * eps_i
-
-    with w_i the normalized reward of direction i (one-point) or z(+) - z(-) (antithetic), N the
-    population size, and eps_i rebuilt tensor by tensor from (seed_i, name). The sum is accumulated
-    in fp32 and added once per tensor, so small steps are not lost to rounding in a low-precision
-    compute dtype. Directions with w_i == 0 contribute nothing and are skipped.
-    """
-    sq = 0.0
-    for name, theta in center.items():
-        if theta.dtype != torch.float32:
-            raise TypeError(f"{name}: the ES center must be fp32, got {theta.dtype}")
-        acc = torch.zeros(theta.shape, dtype=torch.float32)
-        for seed, w in zip(seeds, weights):
-            if w != 0.0:
-                acc.add_(direction(seed, name, theta.shape), alpha=float(w))
-        acc.mul_(alpha / n)
-        theta.add_(acc.to(theta.device))
-        sq += float(torch.linalg.vector_norm(acc, dtype=torch.float64)) ** 2  # no float64 copy of the tensor
-    return sq**0.5

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from esbatch.backends import SamplingParams
-from esbatch.es.noise import direction
+from esbatch.perturb.noise import direction
+from esbatch.perturb.update import UpdateSpec
 
 
 def snapshot(backend):
@@ -49,14 +50,14 @@ def test_double_perturb_and_update_while_perturbed_are_refused(tiny_backend_fact
     with pytest.raises(RuntimeError, match="restore"):
         b.perturb(2, 0.1)
     with pytest.raises(RuntimeError, match="restore"):
-        b.update([1], [1.0], 0.1, 2)
+        b.update(UpdateSpec([1], [1.0], 0.1, 2))
     b.restore()
 
 
 def test_update_moves_master_and_live_weights(tiny_backend_factory):
     b = tiny_backend_factory()
     c0 = {n: t.clone() for n, t in b.master.items()}
-    stats = b.update([10, 20], [1.0, -1.0], 0.02, 2)
+    stats = b.update(UpdateSpec([10, 20], [1.0, -1.0], 0.02, 2))
     for name, p in b.params.items():
         delta = 0.01 * (direction(10, name, p.shape) - direction(20, name, p.shape))
         torch.testing.assert_close(b.master[name], c0[name] + delta, rtol=0, atol=1e-7)
@@ -70,12 +71,12 @@ def test_bf16_small_updates_accumulate_in_fp32_master(tiny_backend_factory):
     """A 1e-6 step is below a bf16 ulp for most weights: without the fp32 master it would be lost."""
     b = tiny_backend_factory("bfloat16")
     live0, master0 = snapshot(b), {n: t.clone() for n, t in b.master.items()}
-    stats = b.update([3], [1.0], 1e-6, 1)
+    stats = b.update(UpdateSpec([3], [1.0], 1e-6, 1))
     assert stats.changed_fraction < 0.05  # the live bf16 weights barely move ...
     moved = sum(int((b.master[n] != master0[n]).sum()) for n in b.master)
     assert moved / sum(t.numel() for t in b.master.values()) > 0.95  # ... but the master does
     for _ in range(400):  # and many small steps add up in the live weights
-        b.update([3], [1.0], 1e-6, 1)
+        b.update(UpdateSpec([3], [1.0], 1e-6, 1))
     changed = sum(int((p != live0[n]).sum()) for n, p in b.params.items())
     assert changed / sum(p.numel() for p in b.params.values()) > 0.3
 
@@ -103,7 +104,7 @@ def test_left_padding_batch_equals_one_by_one_greedy(tiny_backend_factory):
 
 def test_load_center_and_export(tiny_backend_factory, tmp_path):
     b = tiny_backend_factory()
-    b.update([1], [1.0], 0.1, 1)
+    b.update(UpdateSpec([1], [1.0], 0.1, 1))
     state = b.center_state_dict()
     fresh = tiny_backend_factory()
     fresh.load_center(state)

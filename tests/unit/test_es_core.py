@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from esbatch.es.core import Member, direction_weights, draw_population, es_update, normalize
+from esbatch.es.core import Member, direction_weights, draw_population, normalize
+from esbatch.perturb.update import UpdateSpec, es_update
 
 
 def _eps64(seed, name, shape):
@@ -73,7 +74,7 @@ def test_update_equals_explicit_sum():
     center = {n: torch.randn(s) for n, s in shapes.items()}
     theta0 = {n: t.double().clone() for n, t in center.items()}
     seeds, z, alpha, n = [3, 99, 2**32 - 1], [0.7, -1.2, 0.5], 0.01, 3
-    l2 = es_update(center, seeds, z, alpha, n)
+    l2 = es_update(center, UpdateSpec(seeds, z, alpha, n))
     sq = 0.0
     for name, shape in shapes.items():
         delta = alpha / n * sum(zi * _eps64(s, name, shape) for s, zi in zip(seeds, z))
@@ -88,18 +89,18 @@ def test_antithetic_update_equals_mirrored_one_point_sum():
     z = normalize([0.2, 0.9, 0.4, 0.4], "zscore")
     seeds, w = direction_weights(members, z)
     center = {"w": torch.zeros(16, 8)}
-    es_update(center, seeds, w, 0.1, 4)
+    es_update(center, UpdateSpec(seeds, w, 0.1, 4))
     expect = 0.1 / 4 * sum(zj * m.sign * _eps64(m.seed, "w", (16, 8)) for m, zj in zip(members, z))
     torch.testing.assert_close(center["w"].double(), expect, rtol=0, atol=1e-7)
 
 
 def test_update_rejects_low_precision_center():
     with pytest.raises(TypeError, match="fp32"):
-        es_update({"w": torch.zeros(3, dtype=torch.bfloat16)}, [1], [1.0], 0.1, 2)
+        es_update({"w": torch.zeros(3, dtype=torch.bfloat16)}, UpdateSpec([1], [1.0], 0.1, 2))
 
 
 def test_zero_weights_leave_center_bit_identical():
     c = {"w": torch.randn(10)}
     before = c["w"].clone()
-    assert es_update(c, [1, 2], [0.0, 0.0], 1.0, 2) == 0.0
+    assert es_update(c, UpdateSpec([1, 2], [0.0, 0.0], 1.0, 2)) == 0.0
     assert torch.equal(c["w"], before)

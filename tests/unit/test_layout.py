@@ -6,10 +6,11 @@ import importlib.util
 
 import pytest
 import torch
+from toy import fuse
 
-from esbatch.backends.layout import fuse, fused_name, hf_views
-from esbatch.es.core import es_update
-from esbatch.es.noise import direction
+from esbatch.backends.layout import fused_name, hf_views
+from esbatch.perturb.noise import direction
+from esbatch.perturb.update import UpdateSpec, es_update
 
 
 def _tiny(kind: str) -> dict[str, torch.Tensor]:
@@ -60,8 +61,8 @@ def test_one_seed_perturbs_and_updates_both_layouts_identically(kind: str) -> No
     expected = fuse(hf)
     assert all(torch.equal(engine[k], expected[k]) for k in expected)
     # and the ES update, applied through the views, lands in the fused tensors bit for bit
-    l2_hf = es_update(hf, [1, 2, 3], [0.5, -1.0, 0.25], alpha=0.1, n=3)
-    l2_engine = es_update(views, [1, 2, 3], [0.5, -1.0, 0.25], alpha=0.1, n=3)
+    l2_hf = es_update(hf, UpdateSpec([1, 2, 3], [0.5, -1.0, 0.25], alpha=0.1, n=3))
+    l2_engine = es_update(views, UpdateSpec([1, 2, 3], [0.5, -1.0, 0.25], alpha=0.1, n=3))
     assert l2_hf == l2_engine > 0
     expected = fuse(hf)
     assert all(torch.equal(engine[k], expected[k]) for k in expected)

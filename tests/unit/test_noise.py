@@ -3,7 +3,7 @@ import hashlib
 import pytest
 import torch
 
-from esbatch.es.noise import direction, tensor_seed
+from esbatch.perturb.noise import direction, tensor_seed
 
 
 def test_same_seed_and_name_rebuild_identical_noise():

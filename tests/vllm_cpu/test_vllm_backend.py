@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from toy import live_state_dict
 
 from esbatch.backends.base import SamplingParams
+from esbatch.perturb.update import UpdateSpec
 
 GREEDY = SamplingParams(0.0, 1.0, 24)
 SEED, SIGMA = 1234, 0.01
@@ -35,7 +37,7 @@ def texts(backend, prompts, sampling=GREEDY, seed=0):
 
 def test_the_engine_holds_the_hf_weights_under_the_fused_layout_mapping(both):
     vb, hb, _ = both
-    live = vb.live_state_dict()
+    live = live_state_dict(vb)
     assert live.keys() == hb.master.keys()
     assert sum(t.numel() for t in live.values()) == vb.num_parameters() == hb.num_parameters()
     assert all(torch.equal(live[n], hb.master[n]) for n in live)
@@ -52,7 +54,7 @@ def test_one_seed_perturbs_both_backends_identically(both):
     vb.perturb(SEED, SIGMA)
     hb.perturb(SEED, SIGMA)
     try:
-        live = vb.live_state_dict()
+        live = live_state_dict(vb)
         assert all(torch.equal(live[n], hb.params[n].detach()) for n in live)
         assert not torch.equal(
             live["model.layers.0.self_attn.k_proj.weight"], hb.master["model.layers.0.self_attn.k_proj.weight"]
@@ -73,15 +75,15 @@ def test_perturb_generate_restore_gives_the_same_greedy_outputs(both):
         texts(vb, prompts)
         vb.restore()
     assert texts(vb, prompts) == before
-    live = vb.live_state_dict()
+    live = live_state_dict(vb)
     assert all(torch.equal(live[n], hb.master[n]) for n in live)  # the center is back bit for bit
 
 
 def test_an_es_update_through_vllm_equals_the_hf_backends(both):
     vb, hb, prompts = both
     seeds, weights = [11, 22, 33, 44], [1.2, -0.4, 0.0, -0.8]
-    s_v = vb.update(seeds, weights, alpha=0.0005, n=4)
-    s_h = hb.update(seeds, weights, alpha=0.0005, n=4)
+    s_v = vb.update(UpdateSpec(seeds, weights, alpha=0.0005, n=4))
+    s_h = hb.update(UpdateSpec(seeds, weights, alpha=0.0005, n=4))
     assert s_v.update_l2 == s_h.update_l2 > 0
     assert s_v.changed_fraction == s_h.changed_fraction and s_v.rel_distance == s_h.rel_distance
     center = vb.center_state_dict()

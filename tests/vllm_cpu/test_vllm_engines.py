@@ -11,6 +11,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 from toy import run_esbatch
 
+from esbatch.perturb.update import UpdateSpec
+
 
 @pytest.fixture(scope="module")
 def vllm_tiny(tmp_path_factory):
@@ -58,7 +60,7 @@ def test_engines_that_drift_apart_stop_the_run(tmp_path, vllm_tiny):
         save_file(off, str(path))
         vb._rpc(1, "es_load", str(path))  # engine 1 alone gets different weights
         with pytest.raises(RuntimeError, match="engines drifted apart"):
-            vb.update([1, 2], [0.5, -0.5], alpha=0.01, n=2)
+            vb.update(UpdateSpec([1, 2], [0.5, -0.5], alpha=0.01, n=2))
     finally:
         vb.close()
 
@@ -72,5 +74,5 @@ def test_one_engine_per_gpu_with_cuda_graphs(tmp_path, vllm_tiny):
     vb = VLLMBackend(str(vllm_tiny), engines=n, dtype="bfloat16", cuda_graphs=True, gpu_memory_utilization=0.3)
     out = vb.evaluate_population([(s, 0.01, s) for s in range(2 * n)], ["1+1="], SamplingParams(1.0, 1.0, 8))
     assert len(out.generations) == 2 * n
-    vb.update([1, 2], [0.5, -0.5], alpha=0.01, n=2)  # checksums agree across GPUs
+    vb.update(UpdateSpec([1, 2], [0.5, -0.5], alpha=0.01, n=2))  # checksums agree across GPUs
     vb.close()

@@ -3,19 +3,20 @@
 ``live`` maps HF parameter names to the tensors a model generates with (an HF model's parameters, or
 views into a vLLM engine's fused tensors, esbatch/backends/layout.py). The center lives in an fp32 copy,
 so restore() is an exact copy, a perturbation is computed in fp32 and rounded once, and the update is
-accumulated in fp32 (esbatch/es/core.py). Cost: one fp32 copy of the parameters (4 bytes/param), plus one
+accumulated in fp32 (esbatch/perturb/update.py). Cost: one fp32 copy of the parameters (4 bytes/param), plus one
 for theta_0 when drift is tracked. In-place add/subtract would need no copy but does not restore exactly
 (8% of SmolLM2 fp32 elements off after one cycle at sigma=0.01, measured).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 import torch
 
-from esbatch.es.core import es_update
-from esbatch.es.noise import direction
+from esbatch.models import checksum
+from esbatch.perturb.noise import direction
+from esbatch.perturb.update import UpdateSpec, es_update
 
 
 class CenteredWeights:
@@ -43,12 +44,12 @@ class CenteredWeights:
         self.perturbed = False
 
     @torch.no_grad()
-    def update(self, seeds: Sequence[int], weights: Sequence[float], alpha: float, n: int) -> tuple[float, float]:
+    def update(self, spec: UpdateSpec) -> tuple[float, float]:
         """The ES step on the fp32 center, copied to the live weights; (update L2, fraction of live elements
         whose compute-dtype value changed)."""
         if self.perturbed:
             raise RuntimeError("update() called on perturbed weights: restore first")
-        l2 = es_update(self.master, seeds, weights, alpha, n)
+        l2 = es_update(self.master, spec)
         changed = total = 0
         for name, p in self.live.items():
             new = self.master[name].to(p.dtype)
@@ -73,12 +74,9 @@ class CenteredWeights:
             return None
         return norm(self.master[n] - t0 for n, t0 in self.theta0.items()) / self._theta0_norm
 
-    @torch.no_grad()
     def checksum(self) -> float:
-        """sum_k (k+1) * sum(tensor_k) in float64, tensors in name order: position-sensitive and cheap."""
-        return float(
-            sum(float(self.master[n].sum(dtype=torch.float64)) * (k + 1) for k, n in enumerate(sorted(self.master)))
-        )
+        """A fingerprint of the fp32 center (esbatch/models.py:checksum), equal on processes holding equal centers."""
+        return checksum(self.master)
 
     def memory_report(self) -> dict[str, float]:
         model_bytes = sum(p.numel() * p.element_size() for p in self.live.values())

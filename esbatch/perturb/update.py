@@ -1,0 +1,70 @@
+"""The ES center update (paper App. G.1) and the one object that carries its settings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from esbatch.perturb.noise import direction
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """Everything an ES update needs: directions, their weights, alpha and the population size N.
+
+    Logged with every update (log.jsonl), so a resumed run replays the same updates bit for bit, and passed
+    to backends as one object, so a new update setting touches this class and es_update only.
+    """
+
+    seeds: tuple[int, ...]
+    weights: tuple[float, ...]
+    alpha: float
+    n: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))
+        object.__setattr__(self, "weights", tuple(float(w) for w in self.weights))
+        if len(self.seeds) != len(self.weights):
+            raise ValueError(f"{len(self.seeds)} direction seeds but {len(self.weights)} weights")
+
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any]) -> UpdateSpec:
+        """The update of one log.jsonl record."""
+        return cls(rec["update_seeds"], rec["update_weights"], rec["alpha"], rec["n"])
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record fields (and the payload of a vLLM worker rpc)."""
+        return {
+            "update_seeds": list(self.seeds),
+            "update_weights": list(self.weights),
+            "alpha": self.alpha,
+            "n": self.n,
+        }
+
+
+@torch.no_grad()
+def es_update(center: Mapping[str, torch.Tensor], spec: UpdateSpec) -> float:
+    r"""Apply the ES step to the fp32 center in place and return the update's L2 norm.
+
+        theta_{t+1} = theta_t + alpha / N * sum_i w_i * eps_i
+
+    with w_i the normalized reward of direction i (one-point) or z(+) - z(-) (antithetic), N the
+    population size, and eps_i rebuilt tensor by tensor from (seed_i, name). The sum is accumulated
+    in fp32 and added once per tensor, so small steps are not lost to rounding in a low-precision
+    compute dtype. Directions with w_i == 0 contribute nothing and are skipped.
+    """
+    sq = 0.0
+    for name, theta in center.items():
+        if theta.dtype != torch.float32:
+            raise TypeError(f"{name}: the ES center must be fp32, got {theta.dtype}")
+        acc = torch.zeros(theta.shape, dtype=torch.float32)
+        for seed, w in zip(spec.seeds, spec.weights):
+            if w != 0.0:
+                acc.add_(direction(seed, name, theta.shape), alpha=w)
+        acc.mul_(spec.alpha / spec.n)
+        theta.add_(acc.to(theta.device))
+        sq += float(torch.linalg.vector_norm(acc, dtype=torch.float64)) ** 2  # no float64 copy of the tensor
+    return sq**0.5
