@@ -48,13 +48,14 @@ def measure(args: argparse.Namespace, backend_name: str) -> dict:
 
     from esbatch.backends import BACKENDS, SamplingParams
     from esbatch.es.core import draw_population
-    from esbatch.es.schedule import batch_indices
-    from esbatch.es.trainer import es_step, load_problems
+    from esbatch.es.trainer import es_step
+    from esbatch.train.problems import load_problems
+    from esbatch.train.schedule import batch_indices
 
     torch.set_num_threads(args.threads)
     cfg = config(args, backend_name)
     t0 = time.perf_counter()
-    backend = BACKENDS.get(backend_name).from_config(cfg)
+    backend = BACKENDS.get(backend_name).for_es(cfg)
     load_s = time.perf_counter() - t0
     probs = load_problems(cfg, backend)
     _, idx = batch_indices(cfg.run.seed, 0, len(probs.train), cfg.es.batch_size)

@@ -22,9 +22,9 @@ def main() -> None:
 
     from esbatch.backends import BACKENDS
     from esbatch.config import load_config
-    from esbatch.es.checkpoint import RunDir
-    from esbatch.es.trainer import Problems, evaluate_heldout
     from esbatch.tasks import TASKS
+    from esbatch.train.problems import Problems, evaluate_heldout
+    from esbatch.train.rundir import RunDir
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dirs", nargs="+")
@@ -36,7 +36,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     runs = [RunDir(d) for d in args.run_dirs if (Path(d) / "center.safetensors").exists()]
     cfg = load_config(str(runs[0].config), ["tracking.drift=false"])
-    backend = BACKENDS.get(cfg.backend.name).from_config(cfg)
+    backend = BACKENDS.get(cfg.backend.name).for_es(cfg)
     task = TASKS.get(cfg.task.name)(cfg.task.data_path, **cfg.task.params)
     train = task.splits(cfg.task.train_size, cfg.task.heldout_size, cfg.task.few_shot, cfg.run.seed)
     seen = set()

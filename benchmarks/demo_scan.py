@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from esbatch.aggregate.plots import plot_runs  # noqa: E402
-from esbatch.es.checkpoint import RunDir  # noqa: E402
+from esbatch.train.rundir import RunDir  # noqa: E402
 
 DEFAULT_SETTINGS = [
     "0.01,0.005,independent",

@@ -27,8 +27,8 @@ def setup(args: argparse.Namespace):
 
     from esbatch.backends.hf import HFBackend
     from esbatch.config import load_config
-    from esbatch.es.trainer import load_problems
     from esbatch.models import load_model_and_tokenizer
+    from esbatch.train.problems import load_problems
 
     torch.set_num_threads(args.threads)
     cfg = load_config(
@@ -49,7 +49,7 @@ def measure_inference(args: argparse.Namespace) -> dict:
     """Generate the same N x B rollouts with fixed weights, no ES state at all."""
     from esbatch.backends import SamplingParams
     from esbatch.es.core import draw_population
-    from esbatch.es.schedule import batch_indices
+    from esbatch.train.schedule import batch_indices
 
     cfg, model, tok, HFBackend, load_problems = setup(args)
     from esbatch.backends.hf import HFGenerator
@@ -89,7 +89,7 @@ def measure_es(args: argparse.Namespace) -> dict:
     backend.perturb(1, cfg.es.sigma)
     backend.restore()
     t_copy_cycle = time.perf_counter() - t1
-    from esbatch.es.noise import direction
+    from esbatch.perturb.noise import direction
 
     center = {n: q.detach().clone() for n, q in backend.params.items()}
     with torch.no_grad():

@@ -10,7 +10,7 @@ prompts of the quickstart arithmetic task (the batch of update/step t = 0), with
   es          one es_step: N x (perturb, generate, restore) + the update; tracking.drift false, i.e. the
               minimum (drift tracking adds an fp32 theta_0 copy, P*4 bytes, shown in the accounting)
   infer-grpo  the GRPO step's B x G rollouts (G samples per prompt, one batched call), fixed weights
-  grpo        one grpo_step on a DeepSpeed engine built as train_grpo builds it (world size 1, AdamW, ZeRO
+  grpo        one GRPOTrainer.step on a DeepSpeed engine built as GRPOTrainer.setup builds it (world size 1, AdamW, ZeRO
               stage from the config), beta 0: no reference model
   grpo-ref    the same with beta = --beta: a frozen reference copy (only with --beta > 0)
 
@@ -73,10 +73,11 @@ def run_phase(args: argparse.Namespace) -> dict:
     from esbatch.backends import SamplingParams
     from esbatch.backends.hf import HFBackend, HFGenerator
     from esbatch.es.core import draw_population
-    from esbatch.es.schedule import batch_indices
-    from esbatch.es.trainer import es_step, load_problems
+    from esbatch.es.trainer import es_step
     from esbatch.grpo.trainer import _step_seed
     from esbatch.models import load_model_and_tokenizer
+    from esbatch.train.problems import load_problems
+    from esbatch.train.schedule import batch_indices
 
     torch.set_num_threads(args.threads)
     phase = args.phase
@@ -91,7 +92,7 @@ def run_phase(args: argparse.Namespace) -> dict:
     sampling = SamplingParams(gen_cfg.temperature, gen_cfg.top_p, gen_cfg.max_new_tokens)
     probs = None
     try:
-        if phase == "es":  # = HFBackend.from_config(cfg), split so that RSS can be read after the load
+        if phase == "es":  # = HFBackend.for_es(cfg), split so that RSS can be read after the load
             backend = HFBackend(model, tok, batch_size=gen_cfg.batch_size, track_drift=cfg.tracking.drift)
             probs = load_problems(cfg, backend)
             out["ready_mb"], t0 = rss_now_mb(), time.perf_counter()
@@ -110,14 +111,17 @@ def run_phase(args: argparse.Namespace) -> dict:
                 n_sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens, n=args.g)
                 gens = gen.generate(prompts, n_sampling, _step_seed(cfg.run.seed, 0, 0))
             tokens = sum(g.n_tokens for g in gens)
-        else:  # grpo / grpo-ref: the setup of train_grpo with world size 1
+        else:  # grpo / grpo-ref: GRPOTrainer.setup with world size 1, on the model loaded above
             import copy
+            import tempfile
 
             import deepspeed
 
-            from esbatch.grpo.trainer import ds_config, grpo_step, init_distributed
+            from esbatch.grpo.trainer import GRPOTrainer, ds_config, init_distributed
+            from esbatch.train.rundir import RunDir
 
-            rank, world = init_distributed("cpu")
+            ranks = init_distributed("cpu")
+            world = ranks.world
             ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.grpo.beta > 0 else None
             model.requires_grad_(True)
             engine, *_ = deepspeed.initialize(
@@ -125,10 +129,12 @@ def run_phase(args: argparse.Namespace) -> dict:
                 config=ds_config(cfg, world, False),
                 model_parameters=[p for p in model.parameters() if p.requires_grad],
             )
-            gen = HFGenerator(engine.module, tok, batch_size=gen_cfg.batch_size)
-            probs = load_problems(cfg, gen)
+            tr = GRPOTrainer(cfg, RunDir(tempfile.mkdtemp()), ranks, "cpu")
+            tr.tok, tr.ref, tr.engine = tok, ref, engine
+            tr.gen = HFGenerator(engine.module, tok, batch_size=gen_cfg.batch_size)
+            tr.probs = probs = load_problems(cfg, tr.gen)
             out["ready_mb"], t0 = rss_now_mb(), time.perf_counter()
-            met = grpo_step(cfg, engine, ref, gen, probs, 0, rank, world)
+            met = tr.step(0)["metrics"]
             tokens = round(met["tokens/per_s"] * met["time/generation_s"])  # the step's sampled tokens
         out.update(step_s=time.perf_counter() - t0, tokens=tokens)
     except (RuntimeError, MemoryError) as e:  # most likely the --max-gb limit

@@ -74,7 +74,7 @@ def main() -> None:
         f"sbatch calls:                      {sb}  (arrays {len(arrays)} + afterok aggregator job "
         f"{sum(1 for s in arrays if s.get('aggregate_job'))})"
     )
-    print(f"`esbatch sweep` wall time:         {wall:.1f} s  (CLI start to return, incl. MLflow parent run)")
+    print(f"`esbatch sweep` wall time:         {wall:.1f} s  (CLI start to return; target < 3 s)")
     print(
         f"`esbatch status` scheduler calls:  {calls('sacct') - sa0} sacct + {calls('squeue')} squeue  "
         f"for {args.runs} runs, {status_wall:.1f} s, exit {st.returncode}"
@@ -96,18 +96,16 @@ def breakdown(path: Path, tmp: Path) -> None:
     for r in sw.runs:
         r.config.run.output_dir, r.config.tracking.uri = str(sw.dir / "runs"), f"sqlite:///{sw.dir}/mlflow.db"
     phases[f"parse + validate {len(sw.runs)} run configs"] = time.perf_counter() - t
+    sd = submit.SweepDir(sw.dir)
     for name, fn in (
         ("write plan files", lambda: submit.write_plan(sw)),
-        ("MLflow parent run (creates the sqlite store)", lambda: submit.ensure_parent(sw, submit.SweepDir(sw.dir))),
-        (
-            "submit (pickles + sbatch)",
-            lambda: slurm.submit(sw.profile, submit.SweepDir(sw.dir), "b", [r.key for r in sw.runs]),
-        ),
+        ("run states (one sacct/squeue query)", lambda: submit.run_states(sd)),
+        ("submit (pickles + sbatch)", lambda: slurm.submit(sw.profile, sd, "b", [r.key for r in sw.runs])),
     ):
         t = time.perf_counter()
         out = fn()
         phases[name] = time.perf_counter() - t
-    slurm.cancel([r["job_id"] for r in out] + [r["aggregate_job"] for r in out if r.get("aggregate_job")])
+    slurm.SlurmLauncher(sw.profile).cancel(sd, out)
     print("in-process breakdown:")
     for k, v in phases.items():
         print(f"  {k:48s} {v:6.2f} s")

@@ -8,21 +8,27 @@
 Each stage is an ordinary training run in ``<run dir>/stage<k>-<algorithm>/`` that starts from the
 previous stage's weights (``model.init_weights`` = its ``center.safetensors``) and is nested under the
 pipeline's MLflow run. Stages run as ``esbatch train`` subprocesses, so a GRPO stage gets its torchrun
-ranks. A re-run skips finished stages and resumes an interrupted one.
+ranks. The pipeline goes through the same run lifecycle as any run (run.json with its budget and progress,
+one MLflow run, the stop policy); a re-run skips finished stages and resumes an interrupted one, and the
+final stage's center becomes the pipeline's own ``center.safetensors``.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from esbatch.config import TrainConfig, flatten
-from esbatch.es.trainer import STOP
+from esbatch.train import stop
+from esbatch.train.algorithms import ALGORITHMS, Algorithm
+from esbatch.train.lifecycle import RunSession
+from esbatch.train.rundir import RunDir
+
+STAGE_ALGORITHMS = ("es", "grpo")
 
 
 def stage_budgets(total: int, n: int, split: list[float] | None) -> list[int]:
@@ -36,90 +42,112 @@ def stage_budgets(total: int, n: int, split: list[float] | None) -> list[int]:
 
 
 def stage_configs(
-    cfg: TrainConfig, run_dir: Path, parent_run_id: str | None, uri: str | None = None
-) -> list[tuple[Path, TrainConfig]]:
+    cfg: Any, run_dir: Path, parent_run_id: str | None, uri: str | None = None
+) -> list[tuple[RunDir, Any]]:
     """(stage folder, stage config) for every stage; weights flow from each stage to the next."""
     out = []
     prev = cfg.model.init_weights
-    for k, (algo, n) in enumerate(
-        zip(cfg.pipeline.stages, stage_budgets(cfg.pipeline.updates, len(cfg.pipeline.stages), cfg.pipeline.split)), 1
-    ):
+    budgets = stage_budgets(cfg.pipeline.updates, len(cfg.pipeline.stages), cfg.pipeline.split)
+    for k, (algo, n) in enumerate(zip(cfg.pipeline.stages, budgets), 1):
         sc = copy.deepcopy(cfg)
         sc.algorithm = algo
-        section = sc.grpo if algo == "grpo" else sc.es
+        section = getattr(sc, ALGORITHMS.get(algo).section)
         section.updates, section.epochs = n, None
         sc.model.init_weights = prev
-        sc.run.output_dir, sc.run.name = str(run_dir), f"stage{k}-{algo}"
+        rd = RunDir(run_dir).stage(k, algo)
+        sc.run.output_dir, sc.run.name = str(run_dir), rd.path.name
         sc.tracking.parent_run_id = parent_run_id
         sc.tracking.uri = uri or cfg.tracking.uri  # the stages log next to their pipeline's run
         sc.pipeline.stages, sc.pipeline.updates = [], None
-        folder = run_dir / sc.run.name
-        out.append((folder, sc))
-        prev = str(folder / "center.safetensors")
+        out.append((rd, sc))
+        prev = str(rd.center)
     return out
 
 
-def run_pipeline(
-    cfg: TrainConfig,
-    run_dir: str | Path,
-    *,
-    resume: bool = False,
-    progress: bool = True,
-    run_name: str | None = None,
-    tags: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    """Run the stages in order; returns a summary with each stage's folder and MLflow run."""
-    from esbatch.tracking import MLflowTracker, default_tracking_uri, parent_tag, run_tags
+class Pipeline(Algorithm):
+    name: ClassVar[str] = "pipeline"
+    multi_rank: ClassVar[bool] = False  # one driver process; a GRPO stage starts its own ranks
 
-    rd = Path(run_dir)
-    rd.mkdir(parents=True, exist_ok=True)
-    meta_path = rd / "run.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    if not resume and meta:
-        raise FileExistsError(f"{rd} already holds a pipeline; resume it or pick another run.name")
-    (rd / "config.yaml").write_text(cfg.to_yaml())
-    uri = cfg.tracking.uri or default_tracking_uri(cfg.run.output_dir)
-    tracker = MLflowTracker(uri, cfg.tracking.experiment, Path(cfg.run.output_dir) / "mlartifacts")
-    parent_tags = {
-        **run_tags(),
-        "algorithm": "pipeline",
-        "pipeline.stages": "->".join(cfg.pipeline.stages),
-        **parent_tag(cfg.tracking.parent_run_id),
-        **(tags or {}),
-    }
-    run_id = tracker.start(
-        run_name or cfg.run.name, flatten(cfg.to_dict()), parent_tags, run_id=meta.get("mlflow_run_id")
-    )
-    meta.update(mlflow_run_id=run_id, tracking_uri=uri, status="running")
-    meta_path.write_text(json.dumps(meta))
-    stages = stage_configs(cfg, rd, run_id, uri)
-    summary = {"run_dir": str(rd), "mlflow_run_id": run_id, "tracking_uri": uri, "stages": []}
-    status = "FAILED"
-    try:
-        for folder, sc in stages:
-            if STOP.is_set():  # SIGTERM (see es/trainer.py): stop between stages
-                raise KeyboardInterrupt
-            smeta = json.loads((folder / "run.json").read_text()) if (folder / "run.json").exists() else {}
-            if smeta.get("status") != "finished":
-                stage_yaml = rd / f"{folder.name}.yaml"
-                stage_yaml.write_text(sc.to_yaml())
-                args = ["--resume", str(folder)] if (folder / "config.yaml").exists() else [str(stage_yaml)]
-                cmd = [sys.executable, "-m", "esbatch", "train", *args] + ([] if progress else ["--no-progress"])
-                print(f"pipeline stage {folder.name}: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
-                code = subprocess.call(cmd, env=os.environ.copy())
-                if code:
-                    raise RuntimeError(f"stage {folder.name} exited with {code}; re-run to resume it")
-                smeta = json.loads((folder / "run.json").read_text())
-            summary["stages"].append(
-                {"name": folder.name, "run_dir": str(folder), "mlflow_run_id": smeta["mlflow_run_id"]}
-            )
-        status = "FINISHED"
-    except KeyboardInterrupt:
-        status = "KILLED"
-        raise
-    finally:
-        meta["status"] = status.lower()
-        meta_path.write_text(json.dumps(meta))
-        tracker.end(status)
-    summary["center"] = str(stages[-1][0] / "center.safetensors")
-    return summary
+    @classmethod
+    def check(cls, cfg: Any, errors: list[str]) -> None:
+        p = cfg.pipeline
+        bad = [s for s in p.stages if s not in STAGE_ALGORITHMS]
+        if not p.stages or bad:
+            errors.append(f"pipeline.stages: expected a list of es / grpo, e.g. [es, grpo]; got {p.stages!r}")
+        if p.updates is None:
+            errors.append("pipeline.updates: set the total update budget the stages share (e.g. 300)")
+        elif p.updates < len(p.stages):
+            errors.append(f"pipeline.updates: {p.updates} updates cannot be split over {len(p.stages)} stages")
+        if p.split is not None and (
+            len(p.split) != len(p.stages) or not all(isinstance(x, (int, float)) and x > 0 for x in p.split)
+        ):
+            errors.append(f"pipeline.split: expected {len(p.stages)} positive shares, one per stage; got {p.split!r}")
+        if not bad:
+            for algo in dict.fromkeys(p.stages):
+                _stage_backend(cfg, algo, errors)
+
+    @classmethod
+    def planned_budget(cls, cfg: Any) -> int | None:
+        return cfg.pipeline.updates
+
+    @classmethod
+    def budget(cls, cfg: Any, n_train: int) -> int:
+        return cfg.pipeline.updates
+
+    @classmethod
+    def run(
+        cls, cfg: Any, run_dir: Path, *, resume: bool, progress: bool, run_name: str | None, tags: dict[str, str]
+    ) -> dict[str, Any]:
+        """Run the stages in order; returns a summary with each stage's folder and MLflow run."""
+        with RunSession(cfg, run_dir, resume=resume, run_name=run_name, tags=tags) as run:
+            if resume:  # budgets may have changed (RESUME_OVERRIDABLE): the folder keeps the current config
+                run.rd.config.write_text(cfg.to_yaml())
+            total = cfg.pipeline.updates
+            run.tags["pipeline.stages"] = "->".join(cfg.pipeline.stages)
+            run.start(total, stages=list(cfg.pipeline.stages))
+            stages = stage_configs(cfg, run.rd.path, run.run_id, run.uri)
+            done_before, summaries = 0, []
+            for rd, sc in stages:
+                stop.check()  # between stages; a running stage gets the stop passed on (_run_stage)
+                if rd.read_meta().get("status") != "finished":
+                    _run_stage(run, rd, sc, done_before, progress)
+                done_before += ALGORITHMS.get(sc.algorithm).planned_budget(sc)
+                run.rd.write_meta(done=done_before)
+                summaries.append({"name": rd.path.name, "run_dir": str(rd.path), **_ids(rd)})
+            run.rd.link_center(stages[-1][0].center)
+            return run.summary(total, stages=summaries, center=str(run.rd.center))
+
+
+def _stage_backend(cfg: Any, algo: str, errors: list[str]) -> None:
+    from esbatch.backends import BACKENDS
+
+    why = BACKENDS.unsupported(cfg.backend.name, algo)
+    if why:
+        errors.append(f"backend.name: {cfg.backend.name} cannot run the {algo} stage: {why}")
+
+
+def _ids(rd: RunDir) -> dict[str, Any]:
+    return {"mlflow_run_id": rd.read_meta().get("mlflow_run_id")}
+
+
+def _run_stage(run: RunSession, rd: RunDir, sc: Any, done_before: int, progress: bool) -> None:
+    """One stage as an `esbatch train` subprocess; its progress flows into the pipeline's run.json."""
+    stage_yaml = run.rd.path / f"{rd.path.name}.yaml"
+    stage_yaml.write_text(sc.to_yaml())
+    args = ["--resume", str(rd.path)] if rd.exists() else [str(stage_yaml)]
+    cmd = [sys.executable, "-m", "esbatch", "train", *args] + ([] if progress else ["--no-progress"])
+    print(f"pipeline stage {rd.path.name}: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
+    child = subprocess.Popen(cmd, env=os.environ.copy())
+    forwarded, last = False, time.monotonic()
+    while child.poll() is None:
+        if stop.requested() and not forwarded:
+            child.terminate()  # the stage stops between its updates and marks itself killed
+            forwarded = True
+        if time.monotonic() - last > 2:
+            run.rd.write_meta(done=done_before + rd.progress())
+            last = time.monotonic()
+        time.sleep(0.2)
+    run.rd.write_meta(done=done_before + rd.progress())
+    stop.check()
+    if child.returncode:
+        raise RuntimeError(f"stage {rd.path.name} exited with {child.returncode}; re-run to resume it")

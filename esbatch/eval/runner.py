@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from esbatch.eval.config import EvalConfig, EvalTask
+from esbatch.config.eval import EvalConfig, EvalTask
 from esbatch.metrics import mean_metrics, pass_at_k, problem_metrics
+from esbatch.train import stop
+from esbatch.train.rundir import RunDir
 
 
 @dataclass
@@ -40,16 +42,18 @@ def resolve_weights(cfg: EvalConfig) -> WeightsSource:
     if cfg.mlflow_run:
         return _from_mlflow(cfg)
     if cfg.checkpoint:
-        rd = Path(cfg.checkpoint)
-        train_cfg = load_config(str(rd / "config.yaml"))
-        meta = json.loads((rd / "run.json").read_text()) if (rd / "run.json").exists() else {}
-        center = rd / "center.safetensors"
-        if not center.exists():
-            raise FileNotFoundError(f"{rd}: no center.safetensors yet (the run has not saved a checkpoint)")
-        return WeightsSource(
-            train_cfg.model, center, meta.get("tracking_uri"), meta.get("mlflow_run_id"), f"ES center of {rd}"
-        )
+        rd = RunDir(cfg.checkpoint)
+        train_cfg = load_config(str(rd.config))
+        meta = rd.read_meta()
+        if not rd.center.exists():
+            raise FileNotFoundError(f"{rd.path}: no {RunDir.CENTER} yet (the run has not saved a checkpoint)")
+        what = f"{_label(meta.get('algorithm', train_cfg.algorithm))} center of {rd.path}"
+        return WeightsSource(train_cfg.model, rd.center, meta.get("tracking_uri"), meta.get("mlflow_run_id"), what)
     return WeightsSource(cfg.model, description=f"base model {cfg.model.name}")
+
+
+def _label(algorithm: str) -> str:
+    return {"es": "ES", "grpo": "GRPO"}.get(algorithm, algorithm)
 
 
 def _from_mlflow(cfg: EvalConfig) -> WeightsSource:
@@ -62,39 +66,27 @@ def _from_mlflow(cfg: EvalConfig) -> WeightsSource:
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(cfg.mlflow_run)
     p = run.data.params
-    rd = Path(p.get("run.output_dir", "")) / p.get("run.name", "")
-    if (rd / "center.safetensors").exists():
-        train_cfg = load_config(str(rd / "config.yaml"))
-        return WeightsSource(train_cfg.model, rd / "center.safetensors", uri, cfg.mlflow_run, f"ES center of {rd}")
+    rd = RunDir(Path(p.get("run.output_dir", "")) / p.get("run.name", ""))
+    if rd.center.exists():
+        train_cfg = load_config(str(rd.config))
+        what = f"{_label(p.get('algorithm', 'es'))} center of {rd.path}"
+        return WeightsSource(train_cfg.model, rd.center, uri, cfg.mlflow_run, what)
     names = {a.path for a in client.list_artifacts(cfg.mlflow_run)}
-    if "final_model" not in names:
+    if RunDir.FINAL_MODEL not in names:
         raise FileNotFoundError(
             f"MLflow run {cfg.mlflow_run}: its run folder {rd} is not here and it has no final_model artifact "
             f"(train with tracking.log_model: true, or give checkpoint: RUN_FOLDER)"
         )
-    local = client.download_artifacts(cfg.mlflow_run, "final_model", str(Path(cfg.output_dir) / cfg.name))
+    local = client.download_artifacts(cfg.mlflow_run, RunDir.FINAL_MODEL, str(Path(cfg.output_dir) / cfg.name))
     model = type(cfg.model)(**{**cfg.model.__dict__, "name": local, "gguf_file": None})
     return WeightsSource(model, None, uri, cfg.mlflow_run, f"final_model of MLflow run {cfg.mlflow_run}")
 
 
-def build_generator(src: WeightsSource, batch_size: int) -> Any:
-    import torch
-    from safetensors.torch import load_file
+def build_generator(cfg: EvalConfig, src: WeightsSource) -> Any:
+    """The configured backend's generator for ``src`` (the base model, plus a run's center if given)."""
+    from esbatch.backends import BACKENDS
 
-    from esbatch.backends.hf import HFGenerator
-    from esbatch.models import load_model_and_tokenizer
-
-    m = src.model
-    model, tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, m.dtype, m.device)
-    if src.center is not None:
-        state = load_file(str(src.center))
-        params = dict(model.named_parameters())
-        if set(params) != set(state):
-            raise KeyError(f"{src.center} and {m.name} disagree on parameters: {sorted(set(params) ^ set(state))[:5]}")
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(state[name].to(p.dtype))
-    return HFGenerator(model, tok, batch_size=batch_size)
+    return BACKENDS.get(cfg.backend.name).for_inference(src.model, src.center, cfg.sampling.batch_size)
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -119,6 +111,7 @@ def score_responses(task: Any, texts: list[str], exs: list[Any], workers: int) -
 class EvalDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.config = self.path / "config.yaml"
         self.samples = self.path / "samples"
 
     def sample_file(self, label: str) -> Path:
@@ -191,6 +184,7 @@ def run_task(cfg: EvalConfig, et: EvalTask, gen: Any, ed: EvalDir, progress: boo
     tokens, gen_s = 0, 0.0
     bar = tqdm(total=len(exs), initial=len(done), desc=label, unit="prob", disable=not progress, dynamic_ncols=True)
     for start in range(0, len(exs), per_chunk):
+        stop.check()  # a signal asked to stop: between chunks (every finished chunk is already on disk)
         idx = [i for i in range(start, min(start + per_chunk, len(exs))) if i not in done]
         if not idx:
             continue
@@ -205,37 +199,24 @@ def run_task(cfg: EvalConfig, et: EvalTask, gen: Any, ed: EvalDir, progress: boo
         owners = [ex for ex in chunk for _ in range(s.n)] + chunk[: len(greedy_gens)]
         verdicts, keys = score_responses(task, texts, owners, workers)
         f1 = [task.f1(t, ex) for t, ex in zip(texts, owners)] if hasattr(task, "f1") else None  # HotpotQA
+        scored = [_sample(g, v, k) for g, v, k in zip([*gens, *greedy_gens], verdicts, keys)]
+        for j, f in enumerate(f1[: len(gens)] if f1 is not None else []):
+            scored[j]["f1"] = f
         rows = []
         for j, (i, ex) in enumerate(zip(idx, chunk)):
-            samples = [
-                {
-                    "text": gens[j * s.n + m].text,
-                    "n_tokens": gens[j * s.n + m].n_tokens,
-                    "entropy": gens[j * s.n + m].entropy,
-                    "verdict": verdicts[j * s.n + m],
-                    "key": keys[j * s.n + m],
-                }
-                for m in range(s.n)
-            ]
-            if f1 is not None:
-                for m, smp in enumerate(samples):
-                    smp["f1"] = f1[j * s.n + m]
-            row = {"i": i, "question": ex.question, "gold": ex.answer, "samples": samples}
+            row = {"i": i, "question": ex.question, "gold": ex.answer, "samples": scored[j * s.n : (j + 1) * s.n]}
             if greedy_gens:
-                g, k = len(gens) + j, greedy_gens[j]
-                row["greedy"] = {
-                    "text": k.text,
-                    "n_tokens": k.n_tokens,
-                    "entropy": k.entropy,
-                    "verdict": verdicts[g],
-                    "key": keys[g],
-                }
+                row["greedy"] = scored[len(gens) + j]
             rows.append(row)
         ed.append(label, rows)
         bar.update(len(idx))
         bar.set_postfix({"tok/s": f"{tokens / max(gen_s, 1e-9):.1f}"})
     bar.close()
     return {"tokens": tokens, "generation_s": gen_s}
+
+
+def _sample(g: Any, verdict: str, key: str | None) -> dict[str, Any]:
+    return {"text": g.text, "n_tokens": g.n_tokens, "entropy": g.entropy, "verdict": verdict, "key": key}
 
 
 def rescore(cfg: EvalConfig, et: EvalTask, ed: EvalDir) -> None:
@@ -366,7 +347,7 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, recompute: bool = False)
     """Run (or continue, or only re-score) an eval; logs to MLflow; returns the summary."""
     ed = EvalDir(Path(cfg.output_dir) / cfg.name)
     ed.path.mkdir(parents=True, exist_ok=True)
-    (ed.path / "config.yaml").write_text(_yaml(cfg.to_dict()))
+    ed.config.write_text(_yaml(cfg.to_dict()))
     src = resolve_weights(cfg)
     throughput: dict[str, dict[str, float]] = {}
     t0 = time.perf_counter()
@@ -378,7 +359,7 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, recompute: bool = False)
             import torch
 
             torch.set_num_threads(cfg.threads)
-        gen = build_generator(src, cfg.sampling.batch_size)
+        gen = build_generator(cfg, src)
         for et in cfg.task_list():
             throughput[et.label or et.name] = run_task(cfg, et, gen, ed, progress)
     summary = summarize(cfg, ed, src.description)

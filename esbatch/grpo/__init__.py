@@ -1,1 +1,29 @@
-"""GRPO: the group-relative policy-gradient objective (paper Sec. 2.2) and the ES/GRPO FLOP accounting (App. G.2)."""
+"""GRPO (paper Section 2.2): the loss math (core.py) and the DeepSpeed step (trainer.py)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from esbatch.train.algorithms import Algorithm
+from esbatch.train.lifecycle import Trainer
+
+
+class GRPO(Algorithm):
+    name: ClassVar[str] = "grpo"
+    section: ClassVar[str] = "grpo"
+    inert: ClassVar[tuple[str, ...]] = ("es", "pipeline")
+
+    @classmethod
+    def join_ranks(cls, cfg: Any) -> Any:
+        """DeepSpeed's process group (gloo on CPU, NCCL on GPU), also for a single process."""
+        from esbatch.grpo.trainer import init_distributed
+        from esbatch.models import resolve_device
+
+        return init_distributed(resolve_device(cfg.model.device))
+
+    @classmethod
+    def trainer(cls, cfg: Any, session: Any) -> Trainer:
+        from esbatch.grpo.trainer import GRPOTrainer
+        from esbatch.models import resolve_device
+
+        return GRPOTrainer(cfg, session.rd, session.ranks, resolve_device(cfg.model.device))

@@ -9,7 +9,7 @@ the hub: its last ``n_heldout`` rows are held out and its first ``n_demo`` rows 
 
 The prompt is the paper's (App. G.5): system ``CODE_SYSTEM_PROMPT``, user "Task: ...\\nTest Cases:\\n<asserts>".
 A response is scored on its last ```python (or bare ```) block: none -> MISSING; ``test_imports + code +
-test_list`` run in ``esbatch.eval.sandbox`` -> every assert passes -> CORRECT, else WRONG.
+test_list`` run in ``esbatch.sandbox`` -> every assert passes -> CORRECT, else WRONG.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import secrets
 import textwrap
 from typing import Any
 
-from esbatch.eval.sandbox import run_many
+from esbatch.sandbox import run_many
 from esbatch.tasks.base import SYSTEM_PROMPTS, Example, Task
 from esbatch.tasks.gsm8k import load_rows
 from esbatch.tasks.verify import Verdict

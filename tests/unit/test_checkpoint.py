@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from esbatch.es.checkpoint import RunDir
+from esbatch.train.rundir import RunDir
 
 
 def test_torn_last_log_line_is_dropped_and_cut_off(tmp_path):
@@ -11,6 +11,7 @@ def test_torn_last_log_line_is_dropped_and_cut_off(tmp_path):
     with open(rd.log, "a") as f:
         f.write('{"t": 2, "x"')  # killed mid-write
     assert [r["t"] for r in rd.updates()] == [0, 1]
+    rd.repair_log()  # what a resuming trainer does first (readers never cut a file)
     rd.append_update({"t": 2, "x": 3})  # appending after the cut gives a clean log
     assert [r["t"] for r in rd.updates()] == [0, 1, 2]
 

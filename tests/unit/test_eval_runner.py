@@ -7,7 +7,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from esbatch.config import ConfigError
-from esbatch.eval.config import eval_config_from_dict, load_eval_config
+from esbatch.config.eval import eval_config_from_dict, load_eval_config
 from esbatch.eval.runner import EvalDir, evaluate, passk_curve
 from esbatch.metrics import pass_at_k
 
@@ -73,7 +73,7 @@ def test_a_killed_eval_resumes_and_recompute_does_not_generate(tmp_path, tiny_mo
 
 def test_checkpoint_eval_is_nested_under_the_training_run(tmp_path, tiny_model_dir):
     from esbatch.config import config_from_dict
-    from esbatch.es.trainer import train
+    from esbatch.train import train
 
     train_cfg = config_from_dict(
         {

@@ -2,7 +2,7 @@
 
 import pytest
 
-from esbatch.grpo.flops import es_flops, format_accounting, grpo_flops, match_es_population, match_grpo_group
+from esbatch.train.flops import es_flops, format_accounting, grpo_flops, match_es_population, match_grpo_group
 
 # a Qwen2.5-1.5B-sized model, 32 prompts per update, 256 prompt + 1024 generated tokens
 P, B, LP, LG = 1_543_714_304, 32, 256, 1024

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from esbatch.eval.sandbox import network_isolation_available, processes_of_uid, run_many, run_python
+from esbatch.sandbox import network_isolation_available, processes_of_uid, run_many, run_python
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the sandbox needs a POSIX system")
 

@@ -1,4 +1,4 @@
-from esbatch.es.schedule import batch_indices, updates_per_epoch
+from esbatch.train.schedule import batch_indices, updates_per_epoch
 
 
 def test_keep_tail_batches_cover_each_epoch_exactly_once():

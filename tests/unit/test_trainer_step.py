@@ -7,7 +7,8 @@ import torch
 
 from esbatch.config import config_from_dict
 from esbatch.es.core import normalize
-from esbatch.es.trainer import es_step, load_problems, replay
+from esbatch.es.trainer import es_step, replay
+from esbatch.train.problems import load_problems
 
 
 def _eps(seed, name, shape):
@@ -72,7 +73,7 @@ def test_replay_of_the_log_reproduces_the_center_bit_for_bit(tiny_model_dir, tin
 
 def test_member_reward_is_the_mean_verifier_reward_of_its_perturbed_generations(tiny_model_dir, tiny_backend_factory):
     from esbatch.backends import SamplingParams
-    from esbatch.es.trainer import reward_of
+    from esbatch.train.problems import reward_of
 
     cfg = cfg_for(tiny_model_dir)
     b, fresh = tiny_backend_factory(), tiny_backend_factory()
@@ -89,7 +90,7 @@ def test_member_reward_is_the_mean_verifier_reward_of_its_perturbed_generations(
 
 
 def test_update_flops_follow_the_appendix_g2_accounting(tiny_model_dir, tiny_backend_factory):
-    from esbatch.es.schedule import batch_indices
+    from esbatch.train.schedule import batch_indices
 
     cfg = cfg_for(tiny_model_dir)
     b = tiny_backend_factory()

@@ -5,7 +5,6 @@ from fractions import Fraction
 import pytest
 
 from esbatch.config import config_from_dict
-from esbatch.es.trainer import reward_of
 from esbatch.tasks.verify import (
     Verdict,
     check_boxed_number,
@@ -14,6 +13,7 @@ from esbatch.tasks.verify import (
     extract_boxed,
     parse_number,
 )
+from esbatch.train.problems import reward_of
 
 C, W, M = Verdict.CORRECT, Verdict.WRONG, Verdict.MISSING
 

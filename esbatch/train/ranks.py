@@ -1,10 +1,11 @@
-"""One ES run over several processes (torchrun, or SLURM tasks on several nodes).
+"""A run over several processes (torchrun, or SLURM tasks on several nodes), for every algorithm.
 
-Every rank holds the full model and the same center. Member i of an update is evaluated by rank
-i mod W; afterwards only the N rewards (and token counts) travel, by one all-gather, and every rank
-applies the identical update itself (App. G.1 does the same over eight engines). A checksum of the
-centers is compared after each update, so ranks that drifted apart stop the run instead of silently
-training different models. Rewards are tiny, so this uses gloo over TCP even on GPU clusters.
+Rank 0 writes the run folder and MLflow; every rank computes. After each update the lifecycle compares a
+checksum of every rank's weights, so ranks that drifted apart stop the run instead of silently training
+different models. ES: member i of an update is evaluated by rank i mod W, and only the N rewards (and token
+counts) travel, by one all-gather; every rank applies the identical update itself (App. G.1 does the same
+over eight engines). Rewards are tiny, so ES uses gloo over TCP even on GPU clusters. GRPO: data-parallel
+DeepSpeed ranks (esbatch/grpo/trainer.py initialises the process group).
 """
 
 from __future__ import annotations
@@ -62,6 +63,18 @@ class Ranks:
                 "same update to the same weights; check that all ranks load the same model and dtype."
             )
 
+    def any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any: ranks agree when to stop, so none waits alone in a
+        collective for a rank that has stopped."""
+        if self.world == 1:
+            return flag
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     def barrier(self) -> None:
         if self.world > 1:
             import torch.distributed as dist
@@ -69,12 +82,15 @@ class Ranks:
             dist.barrier()
 
     def close(self, ok: bool) -> None:
-        """Leave the process group; after a failure skip the barrier (a peer may be gone)."""
-        if self.world == 1:
+        """Leave the process group (also a world of one that DeepSpeed initialised: gloo aborts at exit without
+        it, measured 1 in 8); after a failure skip the barrier (a peer may be gone)."""
+        import sys
+
+        if "torch.distributed" not in sys.modules:
             return
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        if dist.is_available() and dist.is_initialized():
             if ok:
                 dist.barrier()
             dist.destroy_process_group()
@@ -89,8 +105,13 @@ def init_ranks(timeout_min: float = 30.0) -> Ranks:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Ranks()
+    return joined("gloo", timeout_min)
+
+
+def joined(backend: str, timeout_min: float = 30.0) -> Ranks:
+    """Ranks of the process group, initialising it with ``backend`` if nobody has yet."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=timeout_min))
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_min))
     return Ranks(dist.get_rank(), dist.get_world_size())

@@ -263,6 +263,17 @@ def _reason(rc: int, timed_out: bool, stderr_tail: bytes) -> str:
     return "ok"
 
 
+def _rlimits(cpu_s: int, memory_mb: int, file_size_mb: int, max_procs: int) -> list[tuple[int, int, int]]:
+    mb = 1 << 20
+    return [
+        (resource.RLIMIT_CORE, 0, 0),
+        (resource.RLIMIT_CPU, cpu_s, cpu_s + 1),  # SIGXCPU at cpu_s, SIGKILL a second later if it is caught
+        (resource.RLIMIT_FSIZE, file_size_mb * mb, file_size_mb * mb),
+        (resource.RLIMIT_NPROC, max_procs, max_procs),
+        (resource.RLIMIT_AS, memory_mb * mb, memory_mb * mb),
+    ]
+
+
 def run_python(
     code: str,
     *,
@@ -279,14 +290,7 @@ def run_python(
     sandbox that cannot start (no usable interpreter, exec refused) raises."""
     exe = python or sandbox_python()
     isolate = network_isolation_available()
-    mb = 1 << 20
-    limits = [
-        (resource.RLIMIT_CORE, 0, 0),
-        (resource.RLIMIT_CPU, cpu_s, cpu_s + 1),  # SIGXCPU at cpu_s, SIGKILL a second later if it is caught
-        (resource.RLIMIT_FSIZE, file_size_mb * mb, file_size_mb * mb),
-        (resource.RLIMIT_NPROC, max_procs, max_procs),
-        (resource.RLIMIT_AS, memory_mb * mb, memory_mb * mb),
-    ]
+    limits = _rlimits(cpu_s, memory_mb, file_size_mb, max_procs)
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="esbatch_sbx_"))  # as /proc/self/mountinfo spells it
     start = time.monotonic()
     try:
@@ -295,8 +299,7 @@ def run_python(
                 f.write(code)
             if uid is not None:
                 os.chown(workdir, uid, uid)
-            env = {"PATH": SAFE_PATH, "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
-            env |= {"PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+            env = {"PATH": SAFE_PATH, "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir, "PYTHONHASHSEED": "0"}
 
             def kill_group() -> None:
                 with suppress(ProcessLookupError, PermissionError):
@@ -325,17 +328,8 @@ def run_python(
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     reason = _reason(rc, timed_out, tail)
-    return SandboxResult(
-        ok=reason == "ok",
-        returncode=rc,
-        timed_out=timed_out,
-        stdout=out,
-        stderr=err,
-        wall_s=time.monotonic() - start,
-        reason=reason,
-        network_isolated=isolate and not network,
-        uid=uid,
-    )
+    wall = time.monotonic() - start
+    return SandboxResult(reason == "ok", rc, timed_out, out, err, wall, reason, isolate and not network, uid)
 
 
 def run_many(programs: list[str], *, workers: int | None = None, **limits) -> list[SandboxResult]:

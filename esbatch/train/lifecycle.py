@@ -1,0 +1,295 @@
+"""One run lifecycle for every algorithm: folder, MLflow, run.json, stop checks, checkpoints, summary.
+
+``RunSession`` is a run from start (or resume) to its final status: it creates the run folder, opens or
+reopens the MLflow run, keeps run.json (status, algorithm, budget, progress) and, whatever ends the run,
+records how it ended. ``run_updates`` drives a ``Trainer`` update by update:
+
+    restore (checkpoint + replay) -> for t in start..T: stop check, step, compare rank checksums,
+    append to log.jsonl (durable first), log metrics, checkpoint every k, evaluate every k -> final
+    checkpoint and evaluation -> summary
+
+so ES and GRPO share the same resume, logging and stop behaviour. Rank 0 writes; every rank computes.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, ClassVar
+
+from esbatch.tracking import default_tracking_uri
+from esbatch.train import stop
+from esbatch.train.ranks import Ranks
+from esbatch.train.rundir import RunDir
+
+
+class Trainer(ABC):
+    """One algorithm's update step and state, driven by esbatch/train/lifecycle.py:run_updates.
+
+    ``saved_at`` is the update whose weights the newest checkpoint holds (-1: none), kept identical on
+    every rank so that collective checkpoint writes happen on all of them or none.
+    """
+
+    label: ClassVar[str] = "train"  # the progress bar's name
+    saved_at: int = -1
+
+    @abstractmethod
+    def setup(self) -> int:
+        """Load the model and data; return the training budget in updates."""
+
+    @abstractmethod
+    def restore(self, records: list[dict[str, Any]]) -> int:
+        """Bring the weights to the newest state the run folder allows (checkpoint, then the logged updates
+        if the algorithm can replay them); return how many updates they include."""
+
+    @abstractmethod
+    def step(self, t: int) -> dict[str, Any]:
+        """Run update ``t``; return its log record: at least {"t": t, "metrics": {...}}."""
+
+    @abstractmethod
+    def save(self, t: int, final: bool) -> None:
+        """Checkpoint the weights after ``t`` updates (called on every rank); ``final``: the run's last."""
+
+    @abstractmethod
+    def evaluate(self) -> dict[str, float]:
+        """Held-out scores of the current weights (rank 0 only)."""
+
+    @property
+    @abstractmethod
+    def n_train(self) -> int:
+        """Training problems (run.json keeps it, so status can recompute an epoch budget from the plan)."""
+
+    def checksum(self) -> float | None:
+        """A fingerprint of this rank's weights, compared across ranks after every update."""
+        return None
+
+    def postfix(self, metrics: dict[str, Any]) -> dict[str, str]:
+        """What the progress bar shows after an update."""
+        return {"reward": f"{metrics.get('reward/mean', float('nan')):.3f}"}
+
+    def export(self, path: Path) -> None:
+        """Write the trained model as an HF directory (tracking.log_model)."""
+        raise NotImplementedError
+
+    def summary(self) -> dict[str, Any]:
+        """Extra fields of the run summary."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release engines and processes."""
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class RunSession:
+    """A run's folder, MLflow run and run.json, from start (or resume) until it ends, however it ends."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        run_dir: str | Path,
+        *,
+        resume: bool,
+        ranks: Ranks | None = None,
+        run_name: str | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> None:
+        self.cfg, self.rd, self.resume = cfg, RunDir(run_dir), resume
+        self.ranks = ranks or Ranks()
+        self.lead = self.ranks.lead
+        self.run_name, self.tags = run_name or cfg.run.name, dict(tags or {})
+        self.uri = cfg.tracking.uri or default_tracking_uri(cfg.run.output_dir)
+        self.tracker: Any = None
+        self.run_id: str | None = None
+        self.t_start = time.perf_counter()
+        self.status = "FAILED"
+
+    # ---------------------------------------------------------------- opening and closing
+    def __enter__(self) -> RunSession:
+        rd = self.rd
+        if rd.exists() and not self.resume:
+            raise FileExistsError(
+                f"{rd.path} already holds a run. Resume it with `esbatch train --resume {rd.path}`, "
+                f"or pick another name with --set run.name=..."
+            )
+        if (rd.path / "sweep.json").exists():
+            raise FileExistsError(
+                f"{rd.path} is a sweep folder (it holds sweep.json), not a run folder; pick another run.name or "
+                "run.output_dir"
+            )
+        if self.resume and not rd.exists():
+            raise FileNotFoundError(f"{rd.path}: no run to resume here (no {RunDir.CONFIG})")
+        self.ranks.barrier()  # every rank has looked before rank 0 writes
+        if self.lead:
+            rd.path.mkdir(parents=True, exist_ok=True)
+            if not self.resume:
+                rd.config.write_text(self.cfg.to_yaml())
+            else:
+                rd.repair_log()
+        self.ranks.barrier()  # rank 0 has written the folder; every rank reads the same records
+        if self.cfg.run.threads:
+            import torch
+
+            torch.set_num_threads(self.cfg.run.threads)
+        return self
+
+    def start(self, total: int, **meta: Any) -> str | None:
+        """Open (or reopen) the MLflow run and mark the run running with its budget."""
+        from esbatch.tracking import MLflowTracker, NullTracker, parent_tag, run_tags
+
+        cfg = self.cfg
+        if not self.lead:
+            self.tracker = NullTracker()  # rank 0 holds the MLflow run
+            return None
+        self.tracker = MLflowTracker(self.uri, cfg.tracking.experiment, Path(cfg.run.output_dir) / "mlartifacts")
+        tags = {
+            **run_tags(),
+            "algorithm": cfg.algorithm,
+            "world_size": str(self.ranks.world),
+            **parent_tag(cfg.tracking.parent_run_id),
+            **self.tags,
+        }
+        previous = self.rd.read_meta().get("mlflow_run_id") if self.resume else None
+        self.run_id = self.tracker.start(self.run_name, cfg.params(), tags, run_id=previous)
+        self.rd.write_meta(
+            mlflow_run_id=self.run_id,
+            tracking_uri=self.uri,
+            algorithm=cfg.algorithm,
+            total_updates=total,
+            status="running",
+            **meta,
+        )
+        if previous is None:
+            self.tracker.log_artifact(self.rd.config)
+        return self.run_id
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
+        if kind is None:
+            self.status = "FINISHED"
+        elif issubclass(kind, (KeyboardInterrupt, SystemExit)):  # a stop, Ctrl-C, or submitit's exit on requeue
+            self.status = "KILLED"
+        if self.lead and self.rd.path.exists():
+            self.rd.write_meta(status=self.status.lower(), peak_rss_mb=round(peak_rss_mb(), 1))
+        if self.tracker is not None:
+            self.tracker.end(self.status)
+        self.ranks.close(ok=self.status == "FINISHED")
+
+    # ---------------------------------------------------------------- during the run
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.tracker.log_metrics(metrics, step=step)
+
+    def record_update(self, rec: dict[str, Any]) -> None:
+        """The durable record first (log.jsonl, fsynced), then MLflow, then progress in run.json."""
+        if not self.lead:
+            return
+        self.rd.append_update(rec)
+        self.log({**rec["metrics"], "memory/peak_rss_mb": peak_rss_mb()}, rec["t"] + 1)
+        self.rd.write_meta(done=rec["t"] + 1, last_reward=rec["metrics"].get("reward/mean"))
+
+    def record_eval(self, t: int, scores: dict[str, float]) -> None:
+        self.rd.append_eval({"t": t, **scores})
+        self.log(scores, t)
+        self.rd.write_meta(last_heldout=scores.get("heldout/accuracy"))
+
+    def log_missing_steps(self, records: list[dict[str, Any]]) -> None:
+        """Metrics of logged updates that never reached MLflow (the run died in between): each step once."""
+        if not self.lead:
+            return
+        last = self.tracker.last_step("reward/mean") if self.resume else -1
+        for r in records:
+            if r["t"] + 1 > last:
+                self.log(r["metrics"], r["t"] + 1)
+
+    def summary(self, total: int, **extra: Any) -> dict[str, Any]:
+        evals = sorted(self.rd.evals(), key=lambda e: e["t"])
+        return {
+            "run_dir": str(self.rd.path),
+            "algorithm": self.cfg.algorithm,
+            "updates": total,
+            "tracking_uri": self.uri,
+            "mlflow_run_id": self.run_id,
+            "experiment_id": getattr(self.tracker, "experiment_id", None),
+            "wall_s": time.perf_counter() - self.t_start,
+            "heldout_first": evals[0] if evals else None,
+            "heldout_last": evals[-1] if evals else None,
+            "peak_rss_mb": peak_rss_mb(),
+            "world_size": self.ranks.world,
+            **extra,
+        }
+
+
+def run_updates(run: RunSession, trainer: Trainer, progress: bool) -> dict[str, Any]:
+    """Drive ``trainer`` from where the run folder stands to its budget (see the module docstring)."""
+    try:
+        total = trainer.setup()
+        start, records = _restore(run, trainer)
+        run.start(total, n_train=trainer.n_train)
+        run.log_missing_steps(records)
+        _train_loop(run, trainer, start, total, progress)
+        if run.lead and run.cfg.tracking.log_model:
+            trainer.export(run.rd.final_model)
+            run.tracker.log_artifacts(run.rd.final_model, RunDir.FINAL_MODEL)
+        if not run.lead:
+            return {"run_dir": str(run.rd.path), "updates": total, "rank": run.ranks.rank}
+        for f in (run.rd.log, run.rd.eval_log):
+            if f.exists():
+                run.tracker.log_artifact(f)
+        return run.summary(total, **trainer.summary())
+    finally:
+        trainer.close()
+
+
+def _restore(run: RunSession, trainer: Trainer) -> tuple[int, list[dict[str, Any]]]:
+    """Weights as of the newest state on disk; log lines beyond what they include are set aside."""
+    records = run.rd.updates() if run.resume else []
+    start = trainer.restore(records)
+    if start < len(records):  # updates done after the newest checkpoint by an algorithm that cannot replay them
+        if run.lead:
+            run.rd.discard_updates_after(start)
+        records = records[:start]
+    run.ranks.check_in_sync(trainer.checksum() if run.ranks.world > 1 else None, start - 1)
+    return start, records
+
+
+def _train_loop(run: RunSession, trainer: Trainer, start: int, total: int, progress: bool) -> None:
+    from tqdm.auto import tqdm
+
+    cfg, rd = run.cfg, run.rd
+    done_evals = {e["t"] for e in rd.evals()} if run.lead else set()
+
+    def evaluate(t: int, force: bool = False) -> None:
+        due = force or (cfg.eval.every and t % cfg.eval.every == 0)
+        if run.lead and due and t not in done_evals:
+            scores = trainer.evaluate()
+            if scores:
+                run.record_eval(t, scores)
+                bar.set_postfix({**post, "heldout": f"{scores['heldout/accuracy']:.3f}"})
+            done_evals.add(t)
+
+    post: dict[str, str] = {}
+    bar = tqdm(total=total, initial=start, desc=trainer.label, unit="upd", disable=not (progress and run.lead))
+    try:
+        evaluate(0, force=True)
+        for t in range(start, total):
+            if run.ranks.any(stop.requested()):  # between updates, never inside an MLflow write; all ranks agree
+                raise stop.Stopped()
+            rec = trainer.step(t)
+            run.ranks.check_in_sync(trainer.checksum() if run.ranks.world > 1 else None, t)
+            run.record_update(rec)
+            if (t + 1) % cfg.checkpoint.every == 0 or t + 1 == total:
+                trainer.save(t + 1, final=t + 1 == total)
+                trainer.saved_at = t + 1
+            post = trainer.postfix(rec["metrics"])
+            bar.set_postfix(post)
+            bar.update(1)
+            evaluate(t + 1, force=t + 1 == total)
+        if trainer.saved_at != total:  # died after the last update was logged, before its checkpoint
+            trainer.save(total, final=True)
+            trainer.saved_at = total
+        evaluate(total, force=True)  # no-op unless the final evaluation was lost the same way
+    finally:
+        bar.close()

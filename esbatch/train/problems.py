@@ -1,0 +1,53 @@
+"""What every algorithm trains on: a task's problems rendered into prompts, rewards, held-out scoring."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from esbatch.backends.base import Generator, SamplingParams
+from esbatch.tasks import TASKS, Example, Task, Verdict
+
+
+@dataclass
+class Problems:
+    """A task's splits rendered into chat prompts once."""
+
+    task: Task
+    train: list[Example]
+    heldout: list[Example]
+    train_prompts: list[str]
+    heldout_prompts: list[str]
+
+
+def load_problems(cfg: Any, generator: Generator) -> Problems:
+    """The training and held-out problems of ``cfg.task``, prompted with ``generator``'s chat template."""
+    task = TASKS.get(cfg.task.name)(cfg.task.data_path, **cfg.task.params)
+    sp = task.splits(cfg.task.train_size, cfg.task.heldout_size, cfg.task.few_shot, cfg.run.seed)
+    demos = sp["demo"]
+
+    def render(exs: list[Example]) -> list[str]:
+        return [generator.chat_prompt(task.messages(e, demos, cfg.task.system_prompt)) for e in exs]
+
+    return Problems(task, sp["train"], sp["heldout"], render(sp["train"]), render(sp["heldout"]))
+
+
+def reward_of(verdict: Verdict, cfg: Any) -> float:
+    """The paper's reward (App. G.1): correct 1, well-formatted but wrong 0.1, no answer 0 (configurable)."""
+    r = cfg.reward
+    return {Verdict.CORRECT: r.correct, Verdict.WRONG: r.format, Verdict.MISSING: r.missing}[verdict]
+
+
+def evaluate_heldout(cfg: Any, generator: Generator, probs: Problems) -> dict[str, float]:
+    """Greedy accuracy and mean reward of the current weights on the held-out problems."""
+    if not probs.heldout:
+        return {}
+    sampling = SamplingParams(0.0, 1.0, cfg.eval.max_new_tokens or cfg.generation.max_new_tokens)
+    gens = generator.generate(probs.heldout_prompts, sampling, seed=0)
+    verdicts = [probs.task.score(g.text, ex) for g, ex in zip(gens, probs.heldout)]
+    n = len(verdicts)
+    return {
+        "heldout/accuracy": sum(v is Verdict.CORRECT for v in verdicts) / n,
+        "heldout/reward": sum(reward_of(v, cfg) for v in verdicts) / n,
+        "heldout/format_rate": sum(v is not Verdict.MISSING for v in verdicts) / n,
+    }
