@@ -16,292 +16,52 @@ logged, stopped before T) are never dropped silently: their cells say why, and t
 from __future__ import annotations
 
 import csv
-import dataclasses
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
 from esbatch.aggregate.results import RunResult
 from esbatch.aggregate.smoothing import debiased_ema, local_std
-from esbatch.config import ConfigError
+from esbatch.config.aggregate import (
+    INDEX_FILE,
+    Analysis,
+    CurvesAnalysis,
+    FinalAnalysis,
+    ScalingAnalysis,
+    _is_num,
+    parse_specs,
+)
+from esbatch.config.schema import ConfigError
 from esbatch.registry import did_you_mean
 
-HELDOUT = "heldout/accuracy"
 SEED_KEYS = ("run.seed",)
 # Parameters that differ between runs without changing what is measured: not grouping axes.
 BOOKKEEPING_KEYS = ("run.name", "run.output_dir", "run.threads", "model.device", "generation.batch_size")
 BOOKKEEPING_PREFIXES = ("tracking.", "checkpoint.")
-INDEX_FILE = "README.md"
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
-
-
-# ============================================================================ field checks
-
-
-class _Bad(ValueError):
-    """A field value that fails its check; the message says why."""
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _is_scalar(v: Any) -> bool:
-    return isinstance(v, (str, int, float, bool))
-
-
-def _check(expects: str) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
-    """Attach the human description of valid values (used in error lines) to a checker."""
-
-    def deco(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        fn.expects = expects  # type: ignore[attr-defined]
-        return fn
-
-    return deco
-
-
-@_check("a non-empty string")
-def _str(v: Any) -> str:
-    if not isinstance(v, str) or not v.strip():
-        raise _Bad(f"got {type(v).__name__} {v!r}")
-    return v
-
-
-@_check("a parameter name (dotted config key) or null")
-def _opt_key(v: Any) -> str | None:
-    return None if v is None else _str(v)
-
-
-@_check("a parameter name (dotted config key)")
-def _key(v: Any) -> str:
-    if v is None:
-        raise _Bad("must be set")
-    return _str(v)
-
-
-@_check("a filename-safe name: letters, digits, '_', '-', '.', starting with a letter or digit, at most 100 chars")
-def _name(v: Any) -> str:
-    if not isinstance(v, str) or not _NAME_RE.match(v):
-        raise _Bad(f"got {v!r}")
-    if v.lower() in ("readme", "readme.md"):
-        raise _Bad(f"{v!r} is reserved for the report index {INDEX_FILE}")
-    return v
-
-
-@_check("a number with 0 <= weight < 1 (0 = no smoothing)")
-def _weight(v: Any) -> float:
-    if not _is_num(v) or not 0 <= v < 1:
-        raise _Bad(f"got {v!r}")
-    return float(v)
-
-
-@_check("a number >= 0")
-def _nonneg(v: Any) -> float:
-    if not _is_num(v) or not v >= 0:
-        raise _Bad(f"got {v!r}")
-    return float(v)
-
-
-@_check("an update count (integer >= 0) or null for each run's budget")
-def _opt_update(v: Any) -> int | None:
-    if v is None:
-        return None
-    if not _is_num(v) or int(v) != v or v < 0:
-        raise _Bad(f"got {v!r}")
-    return int(v)
-
-
-@_check("an integer >= 2 (points in the rolling window)")
-def _window(v: Any) -> int:
-    if not _is_num(v) or int(v) != v or v < 2:
-        raise _Bad(f"got {v!r}")
-    return int(v)
-
-
-@_check("a value of `cols` (string, number or bool) or null for the last column")
-def _opt_scalar(v: Any) -> Any:
-    if v is not None and not _is_scalar(v):
-        raise _Bad(f"got {type(v).__name__} {v!r}")
-    return v
-
-
-@_check("a parameter name or a list of them")
-def _key_list(v: Any) -> list[str]:
-    if v is None:
-        return []
-    items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list) or not all(isinstance(k, str) and k.strip() for k in items):
-        raise _Bad(f"got {v!r}")
-    return list(items)
-
-
-@_check("a metric name or a list of them")
-def _metric_list(v: Any) -> list[str]:
-    return _key_list(v)
-
-
-@_check("a mapping {parameter: value or [values]} keeping only the runs that match")
-def _select(v: Any) -> dict[str, list[Any]]:
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise _Bad(f"got {type(v).__name__} {v!r}")
-    out: dict[str, list[Any]] = {}
-    for k, vals in v.items():
-        vals = vals if isinstance(vals, list) else [vals]
-        if not isinstance(k, str) or not vals or not all(x is None or _is_scalar(x) for x in vals):
-            raise _Bad(f"bad entry {k!r}: {vals!r}")
-        out[k] = vals
-    return out
-
-
-def _f(default: Any, check: Callable[[Any], Any], help: str) -> Any:
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"check": check, "help": help})
-    return field(default=default, metadata={"check": check, "help": help})
-
-
-_REQUIRED = dataclasses.MISSING
-
-
-# ============================================================================ analysis specs
-
-
-@dataclass(kw_only=True)
-class Analysis:
-    """Fields every analysis has. ``path`` is where it came from in the YAML (for error lines)."""
-
-    kind: ClassVar[str] = ""
-    name: str = _f(_REQUIRED, _name, "output file stem: <name>.csv/.md(/.png)")
-    metric: str = _f("reward/mean", _str, "history metric to analyse")
-    smoothing: float = _f(0.99, _weight, "debiased EMA weight")
-    select: dict[str, list[Any]] = _f({}, _select, "keep only runs whose params match")
-    path: str = field(default="", compare=False, repr=False)
-
-    def param_fields(self) -> dict[str, str]:
-        """Field name -> run parameter key, for every field that names a parameter."""
-        out = {f"select.{k}": k for k in self.select}
-        for f in dataclasses.fields(self):
-            if f.metadata.get("check") in (_key, _opt_key) and getattr(self, f.name):
-                out[f.name] = getattr(self, f.name)
-            elif f.metadata.get("check") is _key_list:
-                out.update({f"{f.name}[{i}]": k for i, k in enumerate(getattr(self, f.name))})
-        return out
-
-
-@dataclass(kw_only=True)
-class ScalingAnalysis(Analysis):
-    """Paper Table 6: smoothed metric at update ``at`` for rows x cols, gap of each column to ``reference``."""
-
-    kind: ClassVar[str] = "scaling"
-    cols: str = _f(_REQUIRED, _key, "parameter whose values are the columns (e.g. es.population_size)")
-    rows: str | None = _f(None, _opt_key, "parameter whose values are the rows (null = one row)")
-    reference: Any = _f(None, _opt_scalar, "column value the gaps are taken to (null = last column)")
-    at: int | None = _f(None, _opt_update, "update to read the smoothed value at (null = each run's budget)")
-    tolerance: float = _f(0.01, _nonneg, "cells with |gap| <= tolerance are marked")
-
-
-@dataclass(kw_only=True)
-class CurvesAnalysis(Analysis):
-    """Paper Appendix F: smoothed metric vs update, one line per ``hue`` value, one panel per ``panels`` value."""
-
-    kind: ClassVar[str] = "curves"
-    panels: str | None = _f(None, _opt_key, "parameter with one subplot per value (null = one panel)")
-    hue: str | None = _f(None, _opt_key, "parameter with one line per value (null = one line)")
-    band_window: int = _f(21, _window, "points in the local-std window of the shaded band")
-
-
-@dataclass(kw_only=True)
-class FinalAnalysis(Analysis):
-    """Every run's smoothed metric at update ``at`` and its other metrics there, grouped by ``by``."""
-
-    kind: ClassVar[str] = "final"
-    by: list[str] = _f([], _key_list, "parameters to group (and sort) the runs by")
-    at: int | None = _f(None, _opt_update, "update to read values at (null = each run's budget)")
-    also: list[str] = _f([HELDOUT], _metric_list, "further metrics, raw, at the last logged step <= at")
-
-
-KINDS: dict[str, type[Analysis]] = {c.kind: c for c in (ScalingAnalysis, CurvesAnalysis, FinalAnalysis)}
-
-
-def _spec_fields(cls: type[Analysis]) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls) if "check" in f.metadata}
 
 
 def parse_analyses(
     raw: list | None, where: str = "aggregate", *, runs: Sequence[RunResult] | None = None
 ) -> list[Analysis]:
-    """Validate the sweep YAML's ``aggregate:`` list into analysis specs, reporting every problem at once.
+    """The specs of a sweep's ``aggregate:`` list (esbatch/config/aggregate.py), checked against ``runs`` too.
 
-    ``raw=None`` (no ``aggregate:`` key) gives ``default_analyses(runs)``, or ``[]`` without runs.
-    With ``runs``, the parameter names used (``rows``, ``hue``, ``by``, ``select``...) and the scaling
-    ``reference`` are checked against the runs' params too, so a typo fails before anything is written.
-    Raises ``ConfigError`` with one line per problem, naming its YAML path and listing what is valid.
+    ``raw=None`` (no ``aggregate:`` key) gives ``default_analyses(runs)``, or ``[]`` without runs. With
+    ``runs``, the parameter names used (``rows``, ``hue``, ``by``, ``select``...) and the scaling ``reference``
+    are checked against the runs' params, so a typo fails before anything is written.
     """
     if raw is None:
         return default_analyses(list(runs)) if runs is not None else []
-    if not isinstance(raw, list):
-        raise ConfigError([f"{where}: expected a list of analyses (each a mapping with a `kind`), got {raw!r}"])
-    errors: list[str] = []
-    out: list[Analysis] = []
-    seen: dict[str, str] = {}
-    kinds = sorted(KINDS)
-    for i, entry in enumerate(raw):
-        path = f"{where}[{i}]"
-        if not isinstance(entry, dict):
-            errors.append(f"{path}: expected a mapping with a `kind` ({', '.join(kinds)}), got {entry!r}")
-            continue
-        kind = entry.get("kind")
-        if kind not in KINDS:
-            why = "missing" if kind is None else f"unknown analysis kind {kind!r}.{did_you_mean(str(kind), kinds)}"
-            errors.append(f"{path}.kind: {why} Valid kinds: {', '.join(kinds)}")
-            continue
-        cls = KINDS[kind]
-        fields = _spec_fields(cls)
-        valid = ", ".join(["kind", *sorted(fields)])
-        values: dict[str, Any] = {}
-        n_before = len(errors)
-        for key, value in entry.items():
-            if key == "kind":
-                continue
-            if key not in fields:
-                errors.append(
-                    f"{path}.{key}: unknown key for kind '{kind}'.{did_you_mean(str(key), list(fields))} "
-                    f"Valid keys: {valid}"
-                )
-                continue
-            check = fields[key].metadata["check"]
-            try:
-                values[key] = check(value)
-            except _Bad as e:
-                errors.append(f"{path}.{key}: {e}; expected {check.expects}")
-        if "name" not in entry:
-            values["name"] = f"{kind}_{i}"  # default file stem: the kind and the list position
-        for key, f in fields.items():
-            if key not in entry and key not in values and f.default is _REQUIRED and f.default_factory is _REQUIRED:
-                errors.append(f"{path}.{key}: missing; expected {f.metadata['check'].expects}")
-        name = values.get("name")
-        if name is not None and name.lower() in seen:
-            errors.append(
-                f"{path}.name: {name!r} is already used by {seen[name.lower()]}; names must be unique "
-                "(case-insensitively: they name the output files)"
-            )
-        elif name is not None:
-            seen[name.lower()] = path
-        if len(errors) > n_before:
-            continue
-        analysis = cls(**values, path=path)
-        if runs is not None:
-            errors.extend(_param_errors(analysis, runs))
-        out.append(analysis)
-    if errors:
-        raise ConfigError(errors)
-    return out
+    analyses = parse_specs(raw, where)
+    if runs is not None:
+        errors = [e for a in analyses for e in _param_errors(a, runs)]
+        if errors:
+            raise ConfigError(errors)
+    return analyses
 
 
 def _param_errors(a: Analysis, runs: Sequence[RunResult]) -> list[str]:
@@ -867,22 +627,9 @@ def write_final(runs: Sequence[RunResult], a: FinalAnalysis, out_dir: Path) -> S
         "progress = last logged update / budget.*",
     ]
     if a.by and any(len(g) > 1 for g in groups.values()):
-        mean_rows = []
-        for g, members in groups.items():
-            vals = [v for v, _ in members if v is not None]
-            extras = [[e[j] for _, e in members if e[j] is not None] for j in range(len(a.also))]
-            mean_rows.append(
-                [
-                    *g,
-                    f"{len(vals)}/{len(members)}",
-                    _num(float(np.mean(vals))) if vals else "—",
-                    _num(float(np.std(vals, ddof=1))) if len(vals) > 1 else "—",
-                    *(_num(float(np.mean(x))) if x else "—" for x in extras),
-                ]
-            )
         parts += [
             "Mean over the runs of each group (runs with a value / runs):",
-            _md_table([*(_short(k) for k in a.by), "runs", "mean", "std", *a.also], mean_rows),
+            _md_table([*(_short(k) for k in a.by), "runs", "mean", "std", *a.also], _group_means(groups, a)),
         ]
     pooled = _pooled_keys(
         [[r for r in sel if tuple(_fmt_param(_param(r, k)) for k in a.by) == g] for g in groups], a.by
@@ -890,6 +637,24 @@ def write_final(runs: Sequence[RunResult], a: FinalAnalysis, out_dir: Path) -> S
     if pooled and a.by:
         parts.append(f"Groups also differ in: {', '.join(pooled)}.")
     return _finish(a, out_dir, f"{a.name}: {a.metric} per run", "\n\n".join(parts), [csv_path])
+
+
+def _group_means(groups: dict[tuple, list], a: FinalAnalysis) -> list[list[Any]]:
+    """One row per group of runs: how many have a value, the mean and std of the metric, the means of ``also``."""
+    rows = []
+    for g, members in groups.items():
+        vals = [v for v, _ in members if v is not None]
+        extras = [[e[j] for _, e in members if e[j] is not None] for j in range(len(a.also))]
+        rows.append(
+            [
+                *g,
+                f"{len(vals)}/{len(members)}",
+                _num(float(np.mean(vals))) if vals else "—",
+                _num(float(np.std(vals, ddof=1))) if len(vals) > 1 else "—",
+                *(_num(float(np.mean(x))) if x else "—" for x in extras),
+            ]
+        )
+    return rows
 
 
 # ============================================================================ the report

@@ -1,0 +1,225 @@
+"""Aggregate analyses: the specs of a sweep file's ``aggregate:`` list (written by esbatch/aggregate/report.py).
+
+Three kinds, picked by ``kind``: ``scaling`` (paper Table 6), ``curves`` (Appendix F) and ``final``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from esbatch.config.schema import REQUIRED, ConfigError, Invalid, Schema, build, expects, setting
+
+HELDOUT = "heldout/accuracy"
+INDEX_FILE = "README.md"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+# ============================================================================ field checks
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_scalar(v: Any) -> bool:
+    return isinstance(v, (str, int, float, bool))
+
+
+@expects("a non-empty string")
+def _str(v: Any) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise Invalid(f"got {type(v).__name__} {v!r}")
+    return v
+
+
+@expects("a parameter name (dotted config key) or null")
+def _opt_key(v: Any) -> str | None:
+    return None if v is None else _str(v)
+
+
+@expects("a parameter name (dotted config key)")
+def _key(v: Any) -> str:
+    if v is None:
+        raise Invalid("must be set")
+    return _str(v)
+
+
+@expects("a filename-safe name: letters, digits, '_', '-', '.', starting with a letter or digit, at most 100 chars")
+def _name(v: Any) -> str:
+    if not isinstance(v, str) or not _NAME_RE.match(v):
+        raise Invalid(f"got {v!r}")
+    if v.lower() in ("readme", "readme.md"):
+        raise Invalid(f"{v!r} is reserved for the report index {INDEX_FILE}")
+    return v
+
+
+@expects("a number with 0 <= weight < 1 (0 = no smoothing)")
+def _weight(v: Any) -> float:
+    if not _is_num(v) or not 0 <= v < 1:
+        raise Invalid(f"got {v!r}")
+    return float(v)
+
+
+@expects("a number >= 0")
+def _nonneg(v: Any) -> float:
+    if not _is_num(v) or not v >= 0:
+        raise Invalid(f"got {v!r}")
+    return float(v)
+
+
+@expects("an update count (integer >= 0) or null for each run's budget")
+def _opt_update(v: Any) -> int | None:
+    if v is None:
+        return None
+    if not _is_num(v) or int(v) != v or v < 0:
+        raise Invalid(f"got {v!r}")
+    return int(v)
+
+
+@expects("an integer >= 2 (points in the rolling window)")
+def _window(v: Any) -> int:
+    if not _is_num(v) or int(v) != v or v < 2:
+        raise Invalid(f"got {v!r}")
+    return int(v)
+
+
+@expects("a value of `cols` (string, number or bool) or null for the last column")
+def _opt_scalar(v: Any) -> Any:
+    if v is not None and not _is_scalar(v):
+        raise Invalid(f"got {type(v).__name__} {v!r}")
+    return v
+
+
+@expects("a parameter name or a list of them")
+def _key_list(v: Any) -> list[str]:
+    if v is None:
+        return []
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(k, str) and k.strip() for k in items):
+        raise Invalid(f"got {v!r}")
+    return list(items)
+
+
+@expects("a metric name or a list of them")
+def _metric_list(v: Any) -> list[str]:
+    return _key_list(v)
+
+
+@expects("a mapping {parameter: value or [values]} keeping only the runs that match")
+def _select(v: Any) -> dict[str, list[Any]]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise Invalid(f"got {type(v).__name__} {v!r}")
+    out: dict[str, list[Any]] = {}
+    for k, vals in v.items():
+        vals = vals if isinstance(vals, list) else [vals]
+        if not isinstance(k, str) or not vals or not all(x is None or _is_scalar(x) for x in vals):
+            raise Invalid(f"bad entry {k!r}: {vals!r}")
+        out[k] = vals
+    return out
+
+
+# ============================================================================ analysis specs
+
+
+@dataclass(kw_only=True)
+class Analysis(Schema):
+    """Fields every analysis has. ``path`` is where it came from in the YAML (for error lines)."""
+
+    tag: ClassVar[str] = "kind"
+    tag_noun: ClassVar[str] = "analysis kind"
+    kind: ClassVar[str] = ""
+    name: str = setting("", "output file stem: <name>.csv/.md(/.png) (default: <kind>_<position>)", check=_name)
+    metric: str = setting("reward/mean", "history metric to analyse", check=_str)
+    smoothing: float = setting(0.99, "debiased EMA weight", check=_weight)
+    select: dict[str, list[Any]] = setting({}, "keep only runs whose params match", check=_select)
+    path: str = field(default="", compare=False, repr=False, metadata={"internal": True})  # not a YAML key
+
+    def param_fields(self) -> dict[str, str]:
+        """Field name -> run parameter key, for every field that names a parameter."""
+        out = {f"select.{k}": k for k in self.select}
+        for f in dataclasses.fields(self):
+            if f.metadata.get("check") in (_key, _opt_key) and getattr(self, f.name):
+                out[f.name] = getattr(self, f.name)
+            elif f.metadata.get("check") is _key_list:
+                out.update({f"{f.name}[{i}]": k for i, k in enumerate(getattr(self, f.name))})
+        return out
+
+
+@dataclass(kw_only=True)
+class ScalingAnalysis(Analysis):
+    """Paper Table 6: smoothed metric at update ``at`` for rows x cols, gap of each column to ``reference``."""
+
+    kind: ClassVar[str] = "scaling"
+    unknown_key: ClassVar[str] = "unknown key for kind 'scaling'"
+    cols: str = setting(REQUIRED, "parameter whose values are the columns (e.g. es.population_size)", check=_key)
+    rows: str | None = setting(None, "parameter whose values are the rows (null = one row)", check=_opt_key)
+    reference: Any = setting(None, "column value the gaps are taken to (null = last column)", check=_opt_scalar)
+    at: int | None = setting(None, "update to read the smoothed value at (null = each run's budget)", check=_opt_update)
+    tolerance: float = setting(0.01, "cells with |gap| <= tolerance are marked", check=_nonneg)
+
+
+@dataclass(kw_only=True)
+class CurvesAnalysis(Analysis):
+    """Paper Appendix F: smoothed metric vs update, one line per ``hue`` value, one panel per ``panels`` value."""
+
+    kind: ClassVar[str] = "curves"
+    unknown_key: ClassVar[str] = "unknown key for kind 'curves'"
+    panels: str | None = setting(None, "parameter with one subplot per value (null = one panel)", check=_opt_key)
+    hue: str | None = setting(None, "parameter with one line per value (null = one line)", check=_opt_key)
+    band_window: int = setting(21, "points in the local-std window of the shaded band", check=_window)
+
+
+@dataclass(kw_only=True)
+class FinalAnalysis(Analysis):
+    """Every run's smoothed metric at update ``at`` and its other metrics there, grouped by ``by``."""
+
+    kind: ClassVar[str] = "final"
+    unknown_key: ClassVar[str] = "unknown key for kind 'final'"
+    by: list[str] = setting([], "parameters to group (and sort) the runs by", check=_key_list)
+    at: int | None = setting(None, "update to read values at (null = each run's budget)", check=_opt_update)
+    also: list[str] = setting([HELDOUT], "further metrics, raw, at the last logged step <= at", check=_metric_list)
+
+
+KINDS: dict[str, type[Analysis]] = {c.kind: c for c in (ScalingAnalysis, CurvesAnalysis, FinalAnalysis)}
+Analysis.variants = KINDS
+
+
+def parse_specs(raw: Any, where: str = "aggregate") -> list[Analysis]:
+    """Validate a sweep's ``aggregate:`` list into analysis specs, reporting every problem at once.
+
+    Raises ``ConfigError`` with one line per problem, naming its YAML path and listing what is valid.
+    An analysis without a ``name`` is named ``<kind>_<position>``; names must be unique (case-insensitively:
+    they name the output files).
+    """
+    if not isinstance(raw, list):
+        raise ConfigError([f"{where}: expected a list of analyses (each a mapping with a `kind`), got {raw!r}"])
+    errors: list[str] = []
+    out: list[Analysis] = []
+    seen: dict[str, str] = {}
+    for i, entry in enumerate(raw):
+        path = f"{where}[{i}]"
+        n_before = len(errors)
+        a = build(Analysis, entry, path, errors)
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if isinstance(name, str) and _NAME_RE.match(name):  # a duplicate is reported even beside other errors
+            if name.lower() in seen:
+                errors.append(
+                    f"{path}.name: {name!r} is already used by {seen[name.lower()]}; names must be unique "
+                    "(case-insensitively: they name the output files)"
+                )
+            else:
+                seen[name.lower()] = path
+        if a is None or len(errors) > n_before:
+            continue
+        a.path = path
+        if "name" not in entry:
+            a.name = f"{a.kind}_{i}"
+        out.append(a)
+    if errors:
+        raise ConfigError(errors)
+    return out

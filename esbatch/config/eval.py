@@ -1,0 +1,132 @@
+"""Eval configs: which model (base, a run folder's center, or an MLflow run), which tasks, how many samples.
+
+name: easy-qwen1.5b
+model: {name: qwen2.5-1.5b-instruct, dtype: bfloat16}
+checkpoint: null              # a run folder: evaluate its final center instead of the base weights
+mlflow_run: null              # or a training run id: its folder (or final_model artifact) is found
+sampling: {n: 32, temperature: 0.6, top_p: 1.0, max_new_tokens: 2048, greedy: true}
+ks: [1, 16, 32]
+tasks:
+  - {name: gsm8k, limit: null}
+  - {name: commonsenseqa, label: CSQA}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from esbatch.config.loader import find, read_yaml
+from esbatch.config.run import BackendConfig, ModelConfig, TrackingConfig, parse_overrides
+from esbatch.config.schema import ConfigError, Invalid, Schema, build, deep_merge, expects, setting
+from esbatch.registry import did_you_mean
+from esbatch.train.rundir import RunDir
+
+
+@expects("a list of positive integers, e.g. [1, 16, 32]")
+def _ks(v: Any) -> list[int]:
+    if not isinstance(v, list) or not v:
+        raise Invalid(f"got {v!r}")
+    bad = [k for k in v if not isinstance(k, int) or isinstance(k, bool) or k < 1]
+    if bad:
+        raise Invalid(f"expected positive integers, got {bad}")
+    return v
+
+
+@dataclass
+class EvalTask(Schema):
+    shorthand: ClassVar[str] = "name"  # `- gsm8k` in the task list means {name: gsm8k}
+    validate_always: ClassVar[bool] = True
+
+    name: str = setting("gsm8k", "Registered task (see `esbatch ls`).")
+    label: str | None = setting(None, "Column/row name in the tables (default: the task name).")
+    params: dict = setting({}, "Task constructor parameters (as in training configs).")
+    data_path: str | None = setting(None, "Local data file instead of the hub dataset.")
+    limit: int | None = setting(None, "Evaluate the first `limit` problems only (None = the whole split).", ge=1)
+    max_new_tokens: int | None = setting(None, "Per-task override of sampling.max_new_tokens.", ge=1)
+    few_shot: int = setting(0, "Solved demonstrations before each question (the paper evaluates zero-shot).", ge=0)
+
+    def validate(self, path: str, errors: list[str]) -> None:
+        from esbatch.tasks import TASKS
+
+        if self.name not in TASKS:
+            errors.append(
+                f"{path}.name: unknown task '{self.name}'.{did_you_mean(self.name, TASKS.names())} "
+                f"Available: {', '.join(TASKS.names())}"
+            )
+        else:
+            TASKS.get(self.name).check_params(self.params, f"{path}.params", errors)
+
+
+@dataclass
+class Sampling:
+    n: int = setting(32, "Responses per problem (paper G.4: 32).", ge=1)
+    temperature: float = setting(0.6, "Sampling temperature (paper G.4: 0.6).", gt=0.0)
+    top_p: float = setting(1.0, "Nucleus sampling mass.", gt=0.0, le=1.0)
+    max_new_tokens: int = setting(2048, "Tokens per response (Easy 2048, Hard 8192).", ge=1)
+    greedy: bool = setting(False, "Also one greedy response per problem (Easy setting).")
+    batch_size: int = setting(64, "Sequences per generate() call: n samples of batch_size // n prompts.", ge=1)
+    seed: int = setting(0, "Generation seed (each problem chunk derives its own from it).")
+
+
+@dataclass
+class EvalConfig(Schema):
+    validate_always: ClassVar[bool] = True
+    name: str = setting("eval", "Output folder name under output_dir.")
+    output_dir: str = setting("esbatch-evals", "Where eval folders go.")
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The model to evaluate."})
+    checkpoint: str | None = setting(None, "A run folder: its config names the base model, its center the weights.")
+    mlflow_run: str | None = setting(None, "A training MLflow run id: evaluate its final center, log nested under it.")
+    sampling: Sampling = field(default_factory=Sampling, metadata={"help": "Sampled evaluation protocol."})
+    ks: list = setting([1, 16, 32], "K values for Pass@K and Maj@K (those <= n are reported).", check=_ks)
+    tasks: list[EvalTask] = setting([{"name": "gsm8k"}], "Tasks to evaluate, each a mapping (or just a task name).")
+    threads: int = setting(0, "torch CPU threads (0 = torch's default).", ge=0)
+    score_workers: int = setting(0, "Threads scoring responses (math-verify, code sandbox); 0 = CPU count.", ge=0)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"help": "MLflow."})
+    backend: BackendConfig = field(default_factory=BackendConfig, metadata={"help": "Generation backend."})
+
+    def task_list(self) -> list[EvalTask]:
+        return [t if isinstance(t, EvalTask) else EvalTask(**t) for t in self.tasks]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["tasks"] = [dataclasses.asdict(t) for t in self.task_list()]
+        return d
+
+    def validate(self, path: str, errors: list[str]) -> None:
+        from esbatch.backends import BACKENDS
+
+        labels = [t.label or t.name for t in self.task_list()]
+        for lab in sorted({x for x in labels if labels.count(x) > 1}):
+            errors.append(f"tasks: '{lab}' appears twice; give one of them a distinct `label`")
+        if not labels:
+            errors.append("tasks: give at least one task, e.g. tasks: [{name: gsm8k}]")
+        if self.checkpoint and self.mlflow_run:
+            errors.append("checkpoint / mlflow_run: give one source of trained weights, not both")
+        if self.checkpoint and not RunDir(self.checkpoint).exists():
+            errors.append(f"checkpoint: {self.checkpoint} is not a run folder (no {RunDir.CONFIG} there)")
+        why = BACKENDS.unsupported(self.backend.name, "eval") if self.backend.name in BACKENDS else None
+        if why:
+            errors.append(f"backend.name: {self.backend.name} cannot run evaluations: {why}")
+        elif self.backend.name not in BACKENDS:
+            errors.append(
+                f"backend.name: unknown backend '{self.backend.name}'."
+                f"{did_you_mean(self.backend.name, BACKENDS.names())} Available: {', '.join(BACKENDS.names())}"
+            )
+
+
+def eval_config_from_dict(data: dict[str, Any], source: str | None = None) -> EvalConfig:
+    """Validate; every problem (including each task entry and its params) is reported at once."""
+    errors: list[str] = []
+    cfg = build(EvalConfig, data, "", errors)
+    if errors:
+        raise ConfigError(errors, source)
+    return cfg
+
+
+def load_eval_config(name_or_path: str | None, overrides: list[str] | None = None) -> EvalConfig:
+    """A YAML path or built-in eval config name (eval-easy, eval-hard, eval-quick), plus --set overrides."""
+    path = find(name_or_path or "eval-quick", "eval")
+    data = deep_merge(read_yaml(path), parse_overrides(overrides))
+    return eval_config_from_dict(data, str(path))

@@ -1,0 +1,74 @@
+"""The config reference, generated from the schemas: `esbatch validate --schema` and docs/config-reference.md.
+
+tests/unit/test_docs.py fails when the checked-in reference differs from what ``markdown()`` writes, so the
+reference can never fall behind the code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from esbatch.config.schema import describe
+
+TITLES = {
+    "config": "Run config (`esbatch train CONFIG`)",
+    "sweep": "Sweep file (`esbatch sweep SWEEP`)",
+    "launcher": "Launcher profile (`launcher:` in a sweep, `--launcher NAME`)",
+    "eval": "Eval config (`esbatch eval CONFIG`)",
+    "aggregate": "Aggregate analyses (a sweep's `aggregate:` list)",
+}
+
+
+def schemas() -> dict[str, list[tuple[str, type]]]:
+    """kind -> [(heading, schema class)]."""
+    from esbatch.config.aggregate import KINDS as ANALYSES
+    from esbatch.config.eval import EvalConfig
+    from esbatch.config.launcher import LauncherProfile
+    from esbatch.config.run import TrainConfig
+    from esbatch.config.sweep import SweepFile
+
+    return {
+        "config": [("", TrainConfig)],
+        "sweep": [("", SweepFile)],
+        "launcher": [("", LauncherProfile)],
+        "eval": [("", EvalConfig)],
+        "aggregate": [(f"kind: {k}", cls) for k, cls in sorted(ANALYSES.items())],
+    }
+
+
+def _fmt(v: Any) -> str:
+    return "(required)" if v == "(required)" else repr(v)
+
+
+def schema_text(kind: str) -> str:
+    lines = []
+    for heading, cls in schemas()[kind]:
+        if heading:
+            lines.append(f"[{heading}]")
+        for key, tp, default, help_ in describe(cls):
+            lines.append(f"{key:28s} {tp:16s} default={_fmt(default)}\n    {help_}")
+    return "\n".join(lines)
+
+
+def markdown() -> str:
+    out = [
+        "# Config reference",
+        "",
+        "Generated from the schemas in `esbatch/config/` by `python -m esbatch.config.reference > "
+        "docs/config-reference.md`; a test fails when it is out of date. `esbatch validate --schema [--kind K]` "
+        "prints the same.",
+    ]
+    for kind, parts in schemas().items():
+        out += ["", f"## {TITLES[kind]}"]
+        for heading, cls in parts:
+            if heading:
+                out += ["", f"### {heading}"]
+            out += ["", "| key | type | default | what it does |", "|---|---|---|---|"]
+            for key, tp, default, help_ in describe(cls):
+                cell = _fmt(default).replace("|", "\\|")
+                out.append(f"| `{key}` | {tp.replace('|', 'or')} | `{cell}` | {help_.replace('|', '/')} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

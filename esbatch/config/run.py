@@ -1,0 +1,334 @@
+"""The run config: what `esbatch train` trains, as validated sections (YAML -> dataclasses).
+
+Every field carries help text and its constraints (esbatch/config/schema.py). ``load_config`` collects *all*
+problems at once and raises ``ConfigError`` whose lines name the YAML path of the key, say why it is wrong
+and list the valid choices. Checks that concern one algorithm live with it (``Algorithm.check``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from esbatch.config.loader import find, read_yaml
+from esbatch.config.schema import ConfigError, Schema, build, deep_merge, flatten, setting
+from esbatch.registry import did_you_mean
+
+# What a resumed run may change: budgets and bookkeeping, never what the logged updates depend on.
+RESUME_OVERRIDABLE = {
+    "es.updates",
+    "es.epochs",
+    "grpo.updates",
+    "grpo.epochs",
+    "run.threads",
+    "backend.engines",  # how many vLLM engines share the population does not change the result
+    "eval.every",
+    "checkpoint.every",
+    "tracking.log_model",
+}
+# Keys earlier esbatch versions wrote into run folders and plans; accepted and ignored so those stay resumable.
+RETIRED = {("backend", "enable_sleep_mode")}
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+@dataclass
+class RunConfig:
+    name: str = setting("run", "Run name; the run directory is <output_dir>/<name>.")
+    seed: int = setting(0, "Master seed: perturbation seeds, generation seeds and data order derive from it.")
+    output_dir: str = setting("esbatch-runs", "Folder holding run directories (config, checkpoints, logs).")
+    threads: int = setting(0, "torch CPU threads (0 = leave torch's default).", ge=0)
+    nproc_per_node: int = setting(
+        1,
+        "Processes on this node; torchrun is started for > 1. ES: the population is split over them (only "
+        "rewards are exchanged). GRPO: data-parallel ranks.",
+        ge=1,
+    )
+
+
+@dataclass
+class ModelConfig:
+    name: str = setting(
+        "smollm2-135m-instruct",
+        "Registered model alias (see `esbatch ls`), a local HF model directory, a hub id, or a .gguf file.",
+    )
+    gguf_file: str | None = setting(None, "GGUF file name inside `name` (a directory or hub id).")
+    revision: str | None = setting(None, "Hub revision (branch, tag or commit) when `name` is a hub id.")
+    device: str = setting("auto", "Where the live weights sit: auto (cuda if available), cpu, cuda, cuda:N.")
+    dtype: str = setting(
+        "float32",
+        "Compute dtype of the live weights. With bfloat16/float16 an fp32 master copy keeps small updates.",
+        choices=("float32", "bfloat16", "float16"),
+    )
+    init_weights: str | None = setting(
+        None, "Start from these fp32 weights (center.safetensors of an earlier run or pipeline stage)."
+    )
+
+
+@dataclass
+class TaskConfig:
+    name: str = setting("arithmetic", 'Registered task (see `esbatch ls`) or your own "package.module:Class".')
+    params: dict = setting({}, "Task-specific options, checked against the task's constructor.")
+    data_path: str | None = setting(None, "Local file (jsonl/json/parquet/csv) used instead of the hub dataset.")
+    train_size: int | None = setting(None, "Training problems to use (None = all / the task's default).", ge=1)
+    heldout_size: int = setting(64, "Held-out problems scored greedily during training (0 = none).", ge=0)
+    few_shot: int = setting(0, "Solved demonstrations placed before each question as chat turns.", ge=0)
+    system_prompt: str | None = setting(None, "Override the task family's system prompt (paper App. G.5).")
+
+
+@dataclass
+class GenerationConfig:
+    temperature: float = setting(0.7, "Sampling temperature (0 = greedy).", ge=0.0)
+    top_p: float = setting(1.0, "Nucleus sampling mass.", gt=0.0, le=1.0)
+    max_new_tokens: int = setting(256, "Generated tokens per response at most.", ge=1)
+    batch_size: int = setting(64, "Prompts per generate() call (memory bound, not a hyperparameter).", ge=1)
+
+
+@dataclass
+class RewardConfig:
+    correct: float = setting(1.0, "Reward for a verifier-correct answer (paper App. G.1: 1).")
+    format: float = setting(0.1, "Reward for a well-formatted but wrong answer (paper: 0.1).")
+    missing: float = setting(0.0, "Reward when the required answer format is missing (paper: 0).")
+
+
+@dataclass
+class ESConfig:
+    population_size: int = setting(8, "N: evaluations per update (antithetic: N/2 +/- pairs).", ge=2)
+    sigma: float = setting(1e-3, "Perturbation scale sigma.", gt=0.0)
+    alpha: float = setting(5e-4, "Center-update scale alpha in theta += alpha/N sum z_i eps_i.", gt=0.0)
+    normalization: str = setting(
+        "zscore", "Reward normalization across the population.", choices=("zscore", "none", "centered_rank")
+    )
+    eps_num: float = setting(1e-8, "epsilon_num added to the reward std in z-scoring.", ge=0.0)
+    estimator: str = setting(
+        "one_point",
+        "one_point: N directions; antithetic: N/2 directions each at +sigma and -sigma.",
+        choices=("one_point", "antithetic"),
+    )
+    generation_seeds: str = setting(
+        "independent",
+        "Which members share a sampling seed: every member its own; the +/- members of an "
+        "antithetic pair (common random numbers); or the whole population of an update.",
+        choices=("independent", "antithetic_pairs", "population"),
+    )
+    batch_size: int = setting(16, "B: prompts in the shared mini-batch of each update.", ge=1)
+    updates: int | None = setting(None, "Training budget in updates (set this or `epochs`).", ge=1)
+    epochs: float | None = setting(None, "Training budget in epochs over the training split.", gt=0.0)
+
+    def validate(self, path: str, errors: list[str]) -> None:
+        if self.estimator == "antithetic" and self.population_size % 2:
+            errors.append(
+                f"es.population_size: antithetic pairs need an even N (got {self.population_size}); "
+                f"use {self.population_size + 1} or estimator: one_point"
+            )
+        if self.generation_seeds == "antithetic_pairs" and self.estimator != "antithetic":
+            errors.append(
+                "es.generation_seeds: 'antithetic_pairs' needs es.estimator: antithetic "
+                "(valid for one_point: independent, population)"
+            )
+
+
+@dataclass
+class GRPOConfig:
+    group_size: int = setting(
+        8, "G: responses per prompt (TRL num_generations=8; the paper pairs G=8 with ES N=32).", ge=2
+    )
+    batch_size: int = setting(8, "B: prompts per optimizer step, across all ranks.", ge=1)
+    learning_rate: float = setting(1e-6, "AdamW learning rate (TRL default 1e-6).", gt=0.0)
+    weight_decay: float = setting(0.0, "AdamW weight decay.", ge=0.0)
+    epsilon: float = setting(0.2, "Lower (and default upper) clip of the PPO ratio (TRL/PPO 0.2).", gt=0.0)
+    epsilon_high: float | None = setting(
+        None, "Separate upper clip (DAPO clip-higher, e.g. 0.28); None = epsilon.", gt=0.0
+    )
+    beta: float = setting(
+        0.0, "KL penalty weight (k3 estimator); 0 = no reference model is loaded (TRL default).", ge=0.0
+    )
+    scale_rewards: str = setting(
+        "group",
+        "Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO).",
+        choices=("group", "batch", "none"),
+    )
+    loss_aggregation: str = setting(
+        "token_mean",
+        "token_mean (DAPO/verl), seq_mean_token_mean (original GRPO), seq_mean_token_sum (Dr. GRPO).",
+        choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
+    )
+    max_grad_norm: float = setting(1.0, "Gradient clipping (DeepSpeed gradient_clipping).", gt=0.0)
+    zero_stage: int = setting(
+        2, "DeepSpeed ZeRO stage 0-2 (3 would shard the weights the generator reads on every rank).", ge=0, le=2
+    )
+    updates: int | None = setting(None, "Training budget in optimizer steps (set this or `epochs`).", ge=1)
+    epochs: float | None = setting(None, "Training budget in epochs over the training split.", gt=0.0)
+
+
+@dataclass
+class PipelineConfig:
+    stages: list = setting([], "Algorithms run one after the other, each from the previous one's weights: [es, grpo].")
+    split: list | None = setting(None, "Share of the total budget per stage (default: equal), e.g. [0.5, 0.5].")
+    updates: int | None = setting(None, "Total update budget shared by the stages.", ge=1)
+
+
+@dataclass
+class InTrainingEvalConfig:
+    every: int = setting(0, "Score the center greedily on the held-out set every k updates (0 = start/end only).", ge=0)
+    max_new_tokens: int | None = setting(
+        None, "Token limit for held-out scoring (None = generation.max_new_tokens).", ge=1
+    )
+
+
+@dataclass
+class TrackingConfig:
+    uri: str | None = setting(None, "MLflow tracking URI (None = sqlite store <output_dir>/mlflow.db).")
+    experiment: str = setting("esbatch", "MLflow experiment name.")
+    log_model: bool = setting(False, "Save the final center in HF format as a run artifact.")
+    drift: bool = setting(True, "Keep an fp32 copy of theta_0 to log the center's relative distance from it.")
+    parent_run_id: str | None = setting(None, "Nest this run's MLflow run under this one (pipelines set it).")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = setting(10, "Save the fp32 center every k updates; updates since are replayed from the log.", ge=1)
+
+
+@dataclass
+class BackendConfig:
+    name: str = setting("hf", "Generation backend (see `esbatch ls`): hf, or vllm (imported only when chosen).")
+    engines: int = setting(
+        1, "vllm: engines on this node; the population is sharded over them (one GPU each on GPU nodes).", ge=1
+    )
+    gpu_memory_utilization: float = setting(0.85, "vllm: fraction of each GPU an engine may use.", gt=0, le=1)
+    kv_cache_gb: int = setting(2, "vllm on CPU: KV cache size per engine in whole GiB (VLLM_CPU_KVCACHE_SPACE).", ge=1)
+    max_model_len: int | None = setting(None, "vllm: context length to reserve KV cache for (default: the model's).")
+    prefix_caching: bool = setting(True, "vllm: reuse shared prompt prefixes; reset after every weight change.")
+    cuda_graphs: bool = setting(True, "vllm on GPU: capture CUDA graphs (false = eager mode). Ignored on CPU.")
+
+
+@dataclass
+class TrainConfig(Schema):
+    algorithm: str = setting(
+        "es",
+        'Training algorithm: es, grpo, pipeline (the stages of `pipeline`), or your own "package.module:Class".',
+    )
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    es: ESConfig = field(default_factory=ESConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    eval: InTrainingEvalConfig = field(default_factory=InTrainingEvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def params(self) -> dict[str, Any]:
+        """The resolved config as flat dotted keys (MLflow params)."""
+        return flatten(self.to_dict())
+
+    def algo(self) -> Any:
+        """The algorithm class (esbatch/train/algorithms.py) named by ``algorithm``."""
+        from esbatch.train.algorithms import ALGORITHMS
+
+        return ALGORITHMS.get(self.algorithm)
+
+    def total_updates(self, n_train: int) -> int:
+        """The training budget in updates, given the size of the training split."""
+        return self.algo().budget(self, n_train)
+
+    def validate(self, path: str, errors: list[str]) -> None:
+        """Checks across sections and against the registries (algorithms, tasks, backends)."""
+        from esbatch.backends import BACKENDS
+        from esbatch.tasks import TASKS
+        from esbatch.train.algorithms import ALGORITHMS
+
+        if self.algorithm not in ALGORITHMS:
+            errors.append(
+                f"algorithm: unknown algorithm '{self.algorithm}'.{did_you_mean(self.algorithm, ALGORITHMS.names())} "
+                f'Available: {", ".join(ALGORITHMS.names())} (or your own "package.module:Class")'
+            )
+        else:
+            ALGORITHMS.get(self.algorithm).check(self, errors)
+        dev = self.model.device
+        if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            errors.append(f"model.device: {dev!r} is not a device. Valid: auto, cpu, cuda, cuda:N")
+        if self.task.name not in TASKS:
+            errors.append(
+                f"task.name: unknown task '{self.task.name}'.{did_you_mean(self.task.name, TASKS.names())} "
+                f"Available: {', '.join(TASKS.names())}"
+            )
+        else:
+            TASKS.get(self.task.name).check_params(self.task.params, "task.params", errors)
+        if self.backend.name != "vllm" and self.backend.engines != 1:
+            errors.append(
+                f"backend.engines: {self.backend.engines} engines need backend.name: vllm (the {self.backend.name} "
+                "backend holds one model); to split the population over processes set run.nproc_per_node instead"
+            )
+        if self.backend.name not in BACKENDS:
+            errors.append(
+                f"backend.name: unknown backend '{self.backend.name}'."
+                f"{did_you_mean(self.backend.name, BACKENDS.names())} Available: {', '.join(BACKENDS.names())}"
+            )
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def parse_overrides(overrides: list[str] | None) -> dict[str, Any]:
+    """Turn ["es.sigma=0.01", "task.params.digits=3"] into a nested dict (values parsed as YAML)."""
+    out: dict[str, Any] = {}
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError([f"--set {item!r}: expected key.sub=value, e.g. --set es.sigma=0.01"])
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError([f"--set {item!r}: '{p}' is set to a value and used as a section"])
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            reason = str(e).splitlines()[0]
+            raise ConfigError(
+                [f"--set {item!r}: the value is not valid YAML ({reason}); quote it or fix the brackets"]
+            ) from None
+    return out
+
+
+def _drop_retired(data: dict[str, Any]) -> dict[str, Any]:
+    data = copy.deepcopy(data)
+    for section, key in RETIRED:
+        if isinstance(data.get(section), dict):
+            data[section].pop(key, None)
+    return data
+
+
+def config_from_dict(data: dict[str, Any], source: str | None = None) -> TrainConfig:
+    """Validate a plain dict; raises ConfigError listing every problem."""
+    errors: list[str] = []
+    if not isinstance(data, dict):
+        raise ConfigError([f"top level: expected a mapping, got {type(data).__name__}"], source)
+    cfg = build(TrainConfig, _drop_retired(data), "", errors)
+    if errors:
+        raise ConfigError(errors, source)
+    return cfg
+
+
+def load_config(name_or_path: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Load a YAML run config (path or built-in name, default: quickstart), apply --set overrides, validate."""
+    path = find(name_or_path or "quickstart", "config")
+    data = deep_merge(read_yaml(path), parse_overrides(overrides))
+    return config_from_dict(data, str(path))
