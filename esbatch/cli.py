@@ -1,4 +1,4 @@
-"""The `esbatch` command line: train, sweep, status, aggregate, eval, eval-plot, validate, ls, plot."""
+"""The `esbatch` command line: train, sweep, status, cancel, aggregate, eval, eval-plot, flops, validate, ls, plot."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import esbatch
-from esbatch.config import RESUME_OVERRIDABLE
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
@@ -23,74 +23,76 @@ def _add_set(p: argparse.ArgumentParser) -> None:
     )
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from esbatch.config import load_config
-    from esbatch.es.trainer import train
+def _err(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
 
-    if args.resume:
-        rd = Path(args.resume)
-        if not (rd / "config.yaml").exists():
-            print(
-                f"error: --resume {rd}: no config.yaml there; give the run directory printed by `esbatch train`",
-                file=sys.stderr,
-            )
-            return 2
-        if args.config:
-            print("error: give either a CONFIG or --resume RUN_DIR, not both", file=sys.stderr)
-            return 2
-        fixed = [o for o in args.overrides if o.partition("=")[0].strip() not in RESUME_OVERRIDABLE]
-        if fixed:
-            print(
-                f"error: --set {fixed[0]}: cannot change this on resume (the logged updates depend on it); "
-                f"start a new run instead. On resume you may set: {', '.join(sorted(RESUME_OVERRIDABLE))}",
-                file=sys.stderr,
-            )
-            return 2
-        cfg = load_config(str(rd / "config.yaml"), args.overrides)
-        if args.overrides:
-            (rd / "config.yaml").write_text(cfg.to_yaml())
-        run_dir = rd
-    else:
+
+# ----------------------------------------------------------------------------- train
+
+
+def _train_config(args: argparse.Namespace) -> tuple[Any, Path] | int:
+    """The config and run folder of `esbatch train CONFIG` or `esbatch train --resume RUN_DIR`."""
+    from esbatch.config import RESUME_OVERRIDABLE, load_config
+    from esbatch.train.rundir import RunDir
+
+    if not args.resume:
         cfg = load_config(args.config, args.overrides)
-        run_dir = Path(cfg.run.output_dir) / cfg.run.name
+        return cfg, Path(cfg.run.output_dir) / cfg.run.name
+    rd = RunDir(args.resume)
+    if not rd.config.exists():
+        return _err(f"--resume {rd.path}: no {RunDir.CONFIG} there; give the run directory printed by `esbatch train`")
+    if args.config:
+        return _err("give either a CONFIG or --resume RUN_DIR, not both")
+    fixed = [o for o in args.overrides if o.partition("=")[0].strip() not in RESUME_OVERRIDABLE]
+    if fixed:
+        return _err(
+            f"--set {fixed[0]}: cannot change this on resume (the logged updates depend on it); "
+            f"start a new run instead. On resume you may set: {', '.join(sorted(RESUME_OVERRIDABLE))}"
+        )
+    cfg = load_config(str(rd.config), args.overrides)
+    if args.overrides:
+        rd.config.write_text(cfg.to_yaml())
+    return cfg, rd.path
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from esbatch.train import stop, train
+
+    got = _train_config(args)
+    if isinstance(got, int):
+        return got
+    cfg, run_dir = got
+    verb = "resuming" if args.resume else "training"
     print(
-        f"esbatch {esbatch.__version__}: {'resuming' if args.resume else 'training'} {cfg.algorithm} "
-        f"on {cfg.task.name} with {cfg.model.name} ({cfg.model.dtype}) -> {run_dir}",
+        f"esbatch {esbatch.__version__}: {verb} {cfg.algorithm} on {cfg.task.name} with {cfg.model.name} "
+        f"({cfg.model.dtype}) -> {run_dir}",
         file=sys.stderr,
     )
-
-    def _terminate(signum: int, frame: object) -> None:  # scancel / kill: stop after this update, mark KILLED
-        from esbatch.es.trainer import STOP
-
-        STOP.set()
-
-    signal.signal(signal.SIGTERM, _terminate)
-    if cfg.run.nproc_per_node > 1 and "RANK" not in os.environ and cfg.algorithm != "pipeline":
+    stop.install((signal.SIGTERM, signal.SIGINT, signal.SIGUSR2))  # USR2: SLURM's warning before the time limit
+    if cfg.run.nproc_per_node > 1 and "RANK" not in os.environ and cfg.algo().multi_rank:
         return _start_ranks(cfg.run.nproc_per_node)
-    if cfg.algorithm == "grpo":
-        return _train_grpo(cfg, run_dir, args)
-    if cfg.algorithm == "pipeline":
-        from esbatch.pipeline import run_pipeline
-
-        try:
-            s = run_pipeline(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress)
-        except KeyboardInterrupt:
-            print(f"\ninterrupted. Continue with: esbatch train --resume {run_dir}", file=sys.stderr)
-            return 130
-        print(f"\ndone: pipeline {' -> '.join(cfg.pipeline.stages)} in {s['run_dir']}")
-        for st in s["stages"]:
-            print(f"  {st['name']}: {st['run_dir']} (MLflow run {st['mlflow_run_id']})")
-        print(f"final weights: {s['center']}; MLflow parent run {s['mlflow_run_id']} in {s['tracking_uri']}")
-        return 0
     try:
         s = train(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress)
     except KeyboardInterrupt:
         print(f"\ninterrupted. Continue with: esbatch train --resume {run_dir}", file=sys.stderr)
         return 130
-    if "rank" in s:  # not rank 0: rank 0 prints the summary
-        return 0
-    first, last = s["heldout_first"], s["heldout_last"]
-    print(f"\ndone: {s['updates']} updates in {s['wall_s']:.0f} s, peak RSS {s['peak_rss_mb']:.0f} MB")
+    if "rank" not in s:  # ranks other than 0 leave the summary to rank 0
+        _print_summary(s)
+    return 0
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    first, last = s.get("heldout_first"), s.get("heldout_last")
+    if s.get("stages"):
+        print(f"\ndone: pipeline {' -> '.join(st['name'] for st in s['stages'])} in {s['run_dir']}")
+        for st in s["stages"]:
+            print(f"  {st['name']}: {st['run_dir']} (MLflow run {st['mlflow_run_id']})")
+        print(f"final weights: {s['center']}")
+    elif s["algorithm"] == "grpo":
+        print(f"\ndone: {s['updates']} GRPO steps on {s['world_size']} rank(s) in {s['wall_s']:.0f} s")
+    else:
+        print(f"\ndone: {s['updates']} updates in {s['wall_s']:.0f} s, peak RSS {s['peak_rss_mb']:.0f} MB")
     if first and last:
         print(
             f"held-out greedy accuracy: {first['heldout/accuracy']:.3f} (update {first['t']}) -> "
@@ -100,7 +102,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"MLflow run {s['mlflow_run_id']} (experiment {s['experiment_id']}) in {s['tracking_uri']}")
     if s["tracking_uri"].startswith("sqlite:"):
         print(f"  view it: mlflow ui --backend-store-uri {s['tracking_uri']}")
-    return 0
 
 
 def _start_ranks(n: int) -> int:
@@ -118,124 +119,136 @@ def _start_ranks(n: int) -> int:
     return rc
 
 
-def _train_grpo(cfg: object, run_dir: Path, args: argparse.Namespace) -> int:
-    """GRPO under torchrun (gloo on CPU, NCCL on GPU) or as one process."""
-    from esbatch.grpo.trainer import train_grpo
-
-    try:
-        s = train_grpo(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress)
-    except KeyboardInterrupt:
-        print(f"\ninterrupted. Continue with: esbatch train --resume {run_dir}", file=sys.stderr)
-        return 130
-    if s:
-        print(f"\ndone: {s['updates']} GRPO steps on {s['world_size']} rank(s) in {s['wall_s']:.0f} s")
-        print(f"run directory: {s['run_dir']}")
-        print(f"MLflow run {s['mlflow_run_id']} in {s['tracking_uri']}")
-    return 0
+# ----------------------------------------------------------------------------- config files
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from esbatch.config import ConfigError, describe, load_config
+    from esbatch.config import ConfigError
 
     if args.schema:
-        for key, tp, default, help_ in describe():
-            print(f"{key:28s} {tp:16s} default={default!r}\n    {help_}")
+        from esbatch.config.reference import schema_text
+
+        print(schema_text(args.kind or "config"))
         return 0
     if not args.files:
-        print("error: give one or more config files (or --schema)", file=sys.stderr)
-        return 2
+        return _err("give one or more config, sweep, launcher or eval files (or --schema)")
     bad = 0
     for f in args.files:
         try:
-            if _is_sweep_file(f):
-                from esbatch.launch.sweep import load_sweep
-
-                sw = load_sweep(f, overrides=args.overrides)
-                print(f"ok: {f} (sweep {sw.name}: {len(sw.runs)} runs, launcher {sw.launcher})")
-                continue
-            cfg = load_config(f, args.overrides)
-            print(f"ok: {f} ({cfg.algorithm}, task {cfg.task.name}, model {cfg.model.name})")
+            for what in _validate(f, args.kind, args.overrides):
+                print(f"ok: {f} ({what})")
         except ConfigError as e:
             bad += 1
             print(str(e), file=sys.stderr)
     return 1 if bad else 0
 
 
-def _is_sweep_file(f: str) -> bool:
-    import yaml
+def _validate(name: str, kind: str | None, overrides: list[str]) -> list[str]:
+    """Check a file (or every built-in file of that name); one description per file checked."""
+    from esbatch.config.kinds import detect_kind
+    from esbatch.config.loader import find, find_all, read_yaml
 
-    p = Path(f)
-    try:
-        data = yaml.safe_load(p.read_text()) if p.is_file() else None
-    except yaml.YAMLError:
-        return False
-    return isinstance(data, dict) and bool({"grid", "zip", "seeds", "launcher"} & set(data))
+    if kind == "aggregate":
+        from esbatch.config.aggregate import parse_specs
+
+        path = find(name, "config")
+        raw = read_yaml(path).get("aggregate")
+        return [f"{len(parse_specs(raw if raw is not None else []))} aggregate analyses"]
+    hits = [(find(name, kind), kind)] if kind else find_all(name)
+    return [_validate_one(path, k or detect_kind(read_yaml(path), path), overrides) for path, k in hits]
+
+
+def _validate_one(path: Path, kind: str, overrides: list[str]) -> str:
+    """Check one file of a known kind; returns a one-line description of what it is."""
+    from esbatch.config.loader import noun
+
+    if kind == "sweep":
+        from esbatch.launch.sweep import load_sweep
+
+        sw = load_sweep(str(path), overrides=overrides)
+        return f"{noun(kind)} {sw.name}: {len(sw.runs)} runs, launcher {sw.launcher}"
+    if kind == "launcher":
+        from esbatch.config.launcher import load_profile
+
+        prof = load_profile(str(path))
+        return f"{noun(kind)}: cluster {prof.cluster}"
+    if kind == "eval":
+        from esbatch.config.eval import load_eval_config
+
+        ec = load_eval_config(str(path), overrides)
+        return f"{noun(kind)}: {len(ec.task_list())} tasks, model {ec.model.name}"
+    from esbatch.config import load_config
+
+    cfg = load_config(str(path), overrides)
+    return f"{noun(kind)}: {cfg.algorithm}, task {cfg.task.name}, model {cfg.model.name}"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from esbatch.backends import BACKENDS
-    from esbatch.config import builtin_configs
+    from esbatch.config.loader import KINDS, available
+    from esbatch.launch.base import LAUNCHERS
     from esbatch.models import MODELS
     from esbatch.tasks import TASKS
+    from esbatch.train.algorithms import ALGORITHMS
 
-    for title, reg in (("tasks", TASKS), ("models", MODELS), ("backends", BACKENDS)):
+    for title, reg in (("algorithms", ALGORITHMS), ("tasks", TASKS), ("models", MODELS), ("backends", BACKENDS)):
         print(f"{title}:")
         for name in reg:
             print(f"  {name:32s} {reg.help(name)}")
-    print("built-in configs:")
-    for name in builtin_configs():
-        print(f"  {name}")
-    from esbatch.launch.profile import REPO_ROOT, available_launchers
-
-    print("sweeps:")
-    for p in sorted((REPO_ROOT / "sweeps").glob("*.yaml")):
-        print(f"  {p.stem}")
-    print("launchers:")
-    for name in available_launchers():
-        print(f"  {name}")
+    print("launcher kinds:\n" + "".join(f"  {n:32s} {LAUNCHERS.help(n)}\n" for n in LAUNCHERS), end="")
+    for kind, (folder, words) in KINDS.items():
+        print(f"{words}s (./{folder}/ or built in):")
+        for name in available(kind):
+            print(f"  {name}")
     return 0
 
 
-def cmd_plot(args: argparse.Namespace) -> int:
-    from esbatch.aggregate.plots import plot_runs
-
-    missing = [d for d in args.run_dirs if not (Path(d) / "config.yaml").exists()]
-    if missing:
-        print(f"error: {missing[0]} is not a run directory (no config.yaml)", file=sys.stderr)
-        return 2
-    print(plot_runs(args.run_dirs, args.output, title=args.title))
-    return 0
+# ----------------------------------------------------------------------------- sweeps
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from esbatch.launch.submit import submit_sweep
+    from esbatch.launch.submit import dry_run, submit_sweep
     from esbatch.launch.sweep import load_sweep
+    from esbatch.train import stop
 
-    sweep = load_sweep(args.sweep, launcher=args.launcher, overrides=args.overrides)  # validates everything first
-    return submit_sweep(sweep, dry_run=args.dry_run, wait=args.wait)
+    sweep = load_sweep(args.sweep, launcher=args.launcher, overrides=args.overrides, name=args.name)
+    if args.dry_run:
+        return dry_run(sweep, sys.stdout)
+    stop.install()
+    code = submit_sweep(sweep, wait=args.wait)
+    if code != 130 and (sweep.profile.cluster == "local" or (args.wait and not sweep.profile.aggregate_job)):
+        _aggregate_quietly(sweep.dir)
+    elif code != 130 and args.wait and (sweep.dir / "results" / "README.md").exists():
+        print(f"results: {sweep.dir / 'results'}")
+    return code
 
 
-def _sweep_dir(arg: str) -> Path:
-    """A sweep folder, or a sweep file / name whose folder is looked up."""
+def _aggregate_quietly(sweep_dir: Path) -> None:
+    from esbatch.aggregate.collect import aggregate
+
+    try:
+        print(f"results: {aggregate(sweep_dir)}")
+    except Exception as e:  # noqa: BLE001 - the runs are safe on disk; say what failed and how to retry
+        print(f"aggregation failed ({type(e).__name__}: {e}); retry with: esbatch aggregate {sweep_dir}")
+
+
+def _sweep_dir(arg: str, name: str | None = None) -> Path:
+    """A sweep folder, or a sweep file / name whose folder is looked up (under another --name if given)."""
     p = Path(arg)
     if (p / "sweep.json").exists():
         return p
     from esbatch.launch.sweep import load_sweep
 
-    return load_sweep(arg).dir
+    return load_sweep(arg, name=name).dir
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from esbatch.launch.state import SweepDir
     from esbatch.launch.submit import follow, format_table, run_states
 
-    sd = SweepDir(_sweep_dir(args.sweep))
+    sd = SweepDir(_sweep_dir(args.sweep, args.name))
     if not sd.exists():
-        print(
-            f"error: {sd.path}: nothing submitted yet (no sweep.json). Submit with: esbatch sweep {args.sweep}",
-            file=sys.stderr,
-        )
-        return 2
+        return _err(f"{sd.path}: nothing submitted yet (no sweep.json). Submit with: esbatch sweep {args.sweep}")
     if args.follow:
         follow(sd)
     meta = sd.read()
@@ -244,10 +257,22 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from esbatch.launch.state import SweepDir
+    from esbatch.launch.submit import cancel_sweep
+
+    sd = SweepDir(_sweep_dir(args.sweep, args.name))
+    if not sd.exists():
+        return _err(f"{sd.path}: nothing submitted yet (no sweep.json)")
+    keys = cancel_sweep(sd)
+    print(f"cancelled {len(keys)} queued or running run(s) of {sd.path}; `esbatch sweep` resumes them")
+    return 0
+
+
 def cmd_aggregate(args: argparse.Namespace) -> int:
     from esbatch.aggregate.collect import aggregate
 
-    out = aggregate(_sweep_dir(args.sweep))
+    out = aggregate(_sweep_dir(args.sweep, args.name))
     print(f"results: {out}")
     for f in sorted(out.glob("*.md")):
         if f.name != "README.md":
@@ -255,23 +280,33 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- evaluation
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
-    from esbatch.eval.config import load_eval_config
+    from esbatch.config.eval import load_eval_config
     from esbatch.eval.runner import evaluate
+    from esbatch.train import stop
 
     overrides = list(args.overrides)
     if args.recompute:
-        d = Path(args.recompute)
-        if not (d / "config.yaml").exists():
-            print(f"error: --recompute {d}: not an eval folder (no config.yaml)", file=sys.stderr)
-            return 2
-        cfg = load_eval_config(str(d / "config.yaml"), overrides)
+        from esbatch.eval.runner import EvalDir
+
+        ed = EvalDir(args.recompute)
+        if not ed.config.exists():
+            return _err(f"--recompute {ed.path}: not an eval folder (no {ed.config.name})")
+        cfg = load_eval_config(str(ed.config), overrides)
     else:
         for flag, key in ((args.model, "model.name"), (args.checkpoint, "checkpoint"), (args.mlflow_run, "mlflow_run")):
             if flag:
                 overrides.append(f"{key}={flag}")
         cfg = load_eval_config(args.config, overrides)
-    s = evaluate(cfg, progress=not args.no_progress, recompute=bool(args.recompute))
+    stop.install()
+    try:
+        s = evaluate(cfg, progress=not args.no_progress, recompute=bool(args.recompute))
+    except KeyboardInterrupt:
+        print("\ninterrupted: the same command continues the eval where it stopped", file=sys.stderr)
+        return 130
     out = Path(cfg.output_dir) / cfg.name
     print((out / "table.md").read_text())
     if s.get("tokens_per_s"):
@@ -286,8 +321,7 @@ def cmd_eval_plot(args: argparse.Namespace) -> int:
 
     missing = [d for d in args.eval_dirs if not (Path(d) / "metrics.json").exists()]
     if missing:
-        print(f"error: {missing[0]} is not a finished eval folder (no metrics.json)", file=sys.stderr)
-        return 2
+        return _err(f"{missing[0]} is not a finished eval folder (no metrics.json)")
     if args.kind == "passk":
         print(plot_passk(args.eval_dirs, args.output))
     else:
@@ -298,23 +332,14 @@ def cmd_eval_plot(args: argparse.Namespace) -> int:
 def cmd_flops(args: argparse.Namespace) -> int:
     """Per-update FLOPs of ES and GRPO for a config, and the matched setting of the other (App. G.2)."""
     from esbatch.config import load_config
-    from esbatch.grpo.flops import format_accounting
+    from esbatch.train.flops import format_accounting
 
     cfg = load_config(args.config, args.overrides)
     params, prompt_tokens = args.params, args.prompt_tokens
     if params is None or prompt_tokens is None:
-        from esbatch.backends.hf import HFGenerator
-        from esbatch.es.trainer import load_problems
-        from esbatch.models import load_model_and_tokenizer
-
-        m = cfg.model
-        model, tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, "float32", "cpu")
-        params = params or sum(p.numel() for p in model.parameters())
-        if prompt_tokens is None:
-            prompts = load_problems(cfg, HFGenerator(model, tok)).train_prompts[:64]
-            prompt_tokens = sum(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts) / len(prompts)
+        params, prompt_tokens = _measure_model(cfg, params, prompt_tokens)
     gen_tokens = args.gen_tokens or cfg.generation.max_new_tokens
-    algo = cfg.grpo if cfg.algorithm == "grpo" else cfg.es
+    sec = getattr(cfg, cfg.algo().section or "es")
     print(
         f"model {cfg.model.name}: P = {params:,} parameters; prompt {prompt_tokens:.0f} tokens, "
         f"generation {gen_tokens:.0f} tokens{' (max_new_tokens: an upper bound)' if not args.gen_tokens else ''}"
@@ -322,23 +347,48 @@ def cmd_flops(args: argparse.Namespace) -> int:
     print(
         format_accounting(
             params,
-            algo.batch_size,
+            sec.batch_size,
             prompt_tokens,
             gen_tokens,
             N=cfg.es.population_size,
             G=cfg.grpo.group_size,
             beta=cfg.grpo.beta,
-            updates=algo.updates or 1,
+            updates=sec.updates or 1,
         )
     )
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="esbatch", description="ES and GRPO post-training for LLM reasoning.")
-    p.add_argument("--version", action="version", version=f"esbatch {esbatch.__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+def _measure_model(cfg: Any, params: int | None, prompt_tokens: float | None) -> tuple[int, float]:
+    """Parameter count and mean prompt length of the task's first 64 training prompts, from the model."""
+    from esbatch.backends.hf import HFGenerator
+    from esbatch.models import load_model_and_tokenizer
+    from esbatch.train.problems import load_problems
 
+    m = cfg.model
+    model, tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, "float32", "cpu")
+    params = params or sum(p.numel() for p in model.parameters())
+    if prompt_tokens is None:
+        prompts = load_problems(cfg, HFGenerator(model, tok)).train_prompts[:64]
+        prompt_tokens = sum(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts) / len(prompts)
+    return params, prompt_tokens
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from esbatch.aggregate.plots import plot_runs
+    from esbatch.train.rundir import RunDir
+
+    missing = [d for d in args.run_dirs if not RunDir(d).exists()]
+    if missing:
+        return _err(f"{missing[0]} is not a run directory (no {RunDir.CONFIG})")
+    print(plot_runs(args.run_dirs, args.output, title=args.title))
+    return 0
+
+
+# ----------------------------------------------------------------------------- the parser
+
+
+def _training_commands(sub: Any) -> None:
     t = sub.add_parser("train", help="train one config (default: the built-in CPU quickstart)")
     t.add_argument("config", nargs="?", help="YAML file or built-in config name (see `esbatch ls`)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its run directory")
@@ -346,27 +396,56 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(t)
     t.set_defaults(func=cmd_train)
 
+    fl = sub.add_parser("flops", help="ES vs GRPO FLOPs per update for a config, and the FLOP-matched N or G")
+    fl.add_argument("config", nargs="?", help="YAML file or built-in config name")
+    fl.add_argument("--params", type=int, help="parameter count (default: load the model and count)")
+    fl.add_argument("--prompt-tokens", type=float, help="mean prompt tokens (default: measured on the task)")
+    fl.add_argument("--gen-tokens", type=float, help="mean generated tokens (default: max_new_tokens)")
+    _add_set(fl)
+    fl.set_defaults(func=cmd_flops)
+
+    pl = sub.add_parser("plot", help="plot held-out accuracy and population reward of run directories")
+    pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    pl.add_argument("-o", "--output", default="es-curves.png", help="PNG file to write")
+    pl.add_argument("--title", default="ES training")
+    pl.set_defaults(func=cmd_plot)
+
+
+def _sweep_commands(sub: Any) -> None:
     sw = sub.add_parser("sweep", help="run a sweep file as one SLURM array job (default: the CPU quickstart sweep)")
-    sw.add_argument("sweep", nargs="?", help="sweep YAML file or name in sweeps/ (default: quickstart)")
-    sw.add_argument("--launcher", help="launcher profile (launchers/NAME.yaml) instead of the sweep's")
+    sw.add_argument(
+        "sweep", nargs="?", help="sweep YAML file or sweep name (./sweeps/ or built in; default: quickstart)"
+    )
+    sw.add_argument("--launcher", help="launcher profile name or file instead of the sweep's")
+    sw.add_argument("--name", help="run the sweep under another name (its own folder and MLflow experiment)")
     sw.add_argument("--dry-run", action="store_true", help="print the runs and the sbatch script; submit nothing")
     sw.add_argument("--wait", action="store_true", help="follow the submitted jobs with a live progress display")
     _add_set(sw)
     sw.set_defaults(func=cmd_sweep)
 
+    named = "the sweep ran under this --name"
     st = sub.add_parser("status", help="each run of a sweep: state, progress, last reward")
     st.add_argument("sweep", help="sweep folder, file or name")
+    st.add_argument("--name", help=named)
     st.add_argument("--follow", action="store_true", help="live progress until nothing is queued or running")
     st.set_defaults(func=cmd_status)
 
     ag = sub.add_parser("aggregate", help="tables and plots of a sweep, from MLflow, into <sweep>/results")
     ag.add_argument("sweep", help="sweep folder, file or name")
+    ag.add_argument("--name", help=named)
     ag.set_defaults(func=cmd_aggregate)
 
-    ev = sub.add_parser("eval", help="Pass@1, Pass@K, Maj@K and entropy of a model, ES run or MLflow run on tasks")
+    ca = sub.add_parser("cancel", help="stop a sweep's queued and running runs (they stay resumable)")
+    ca.add_argument("sweep", help="sweep folder, file or name")
+    ca.add_argument("--name", help=named)
+    ca.set_defaults(func=cmd_cancel)
+
+
+def _eval_commands(sub: Any) -> None:
+    ev = sub.add_parser("eval", help="Pass@1, Pass@K, Maj@K and entropy of a model, run folder or MLflow run")
     ev.add_argument("config", nargs="?", help="eval YAML or built-in name: eval-easy, eval-hard, eval-quick (default)")
     ev.add_argument("--model", help="model alias, HF dir, hub id or .gguf (sets model.name)")
-    ev.add_argument("--checkpoint", metavar="RUN_DIR", help="evaluate the final center of an ES run folder")
+    ev.add_argument("--checkpoint", metavar="RUN_DIR", help="evaluate the final center of a run folder")
     ev.add_argument("--mlflow-run", metavar="RUN_ID", help="evaluate a training run's final center (nested run)")
     ev.add_argument("--recompute", metavar="EVAL_DIR", help="re-score saved responses and rebuild the tables")
     ev.add_argument("--no-progress", action="store_true", help="no progress bars (for batch logs)")
@@ -381,28 +460,27 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("-o", "--output", default="passk.png")
     ep.set_defaults(func=cmd_eval_plot)
 
-    fl = sub.add_parser("flops", help="ES vs GRPO FLOPs per update for a config, and the FLOP-matched N or G")
-    fl.add_argument("config", nargs="?", help="YAML file or built-in config name")
-    fl.add_argument("--params", type=int, help="parameter count (default: load the model and count)")
-    fl.add_argument("--prompt-tokens", type=float, help="mean prompt tokens (default: measured on the task)")
-    fl.add_argument("--gen-tokens", type=float, help="mean generated tokens (default: max_new_tokens)")
-    _add_set(fl)
-    fl.set_defaults(func=cmd_flops)
 
-    v = sub.add_parser("validate", help="check config or sweep files without loading any model")
-    v.add_argument("files", nargs="*", help="YAML config or sweep files, or built-in config names")
-    v.add_argument("--schema", action="store_true", help="print every config key with its type, default and help")
+def _config_commands(sub: Any) -> None:
+    v = sub.add_parser("validate", help="check run config, sweep, launcher or eval files without loading any model")
+    v.add_argument("files", nargs="*", help="YAML files, or names of built-in ones")
+    v.add_argument(
+        "--kind", choices=("config", "sweep", "launcher", "eval", "aggregate"), help="the kind (default: detected)"
+    )
+    v.add_argument("--schema", action="store_true", help="print every key of a kind with its type, default and help")
     _add_set(v)
     v.set_defaults(func=cmd_validate)
 
-    pl = sub.add_parser("plot", help="plot held-out accuracy and population reward of run directories")
-    pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    pl.add_argument("-o", "--output", default="es-curves.png", help="PNG file to write")
-    pl.add_argument("--title", default="ES training")
-    pl.set_defaults(func=cmd_plot)
-
-    ls = sub.add_parser("ls", help="list registered tasks, models, backends and built-in configs")
+    ls = sub.add_parser("ls", help="list algorithms, tasks, models, backends, configs, sweeps and launchers")
     ls.set_defaults(func=cmd_ls)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="esbatch", description="ES and GRPO post-training for LLM reasoning.")
+    p.add_argument("--version", action="version", version=f"esbatch {esbatch.__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for add in (_training_commands, _sweep_commands, _eval_commands, _config_commands):
+        add(sub)
     return p
 
 
@@ -415,14 +493,16 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    from esbatch.train import stop
+
     try:
         return args.func(args)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _err(str(e))
     except (UnknownNameError, FileExistsError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _err(str(e))
+    finally:
+        stop.settle()
 
 
 if __name__ == "__main__":

@@ -29,19 +29,20 @@ def merge_offline(sd: SweepDir) -> int:
     from esbatch.tracking import MLflowTracker
     from esbatch.tracking.merge import merge_run
 
+    parent = sd.ensure_parent_run()
     meta = sd.read()
     dst = MLflowTracker(meta["tracking_uri"], meta["experiment"], sd.path / "mlartifacts")
     n = 0
     for r in meta.get("runs", []):
         rd = sd.run_dir(r["key"])
         run_meta = rd.read_meta() if rd.meta.exists() else {}
-        if (rd.path / "mlflow.db").exists() and run_meta.get("mlflow_run_id"):
+        if rd.offline_store.exists() and run_meta.get("mlflow_run_id"):
             merge_run(
                 run_meta["tracking_uri"],
                 run_meta["mlflow_run_id"],
                 meta["tracking_uri"],
                 dst.experiment_id,
-                meta.get("parent_run_id"),
+                parent,
                 meta["name"],
                 r["key"],
             )
@@ -80,7 +81,7 @@ def collect(sd: SweepDir, metrics: tuple[str, ...] = ("reward/mean", "heldout/ac
         status = STATUS.get(child.info.status, child.info.status.lower())
         if status == "running" and st is not None and st.state not in ("running", "queued"):
             status = st.state  # the job is gone but never closed its run (killed hard, node failure)
-        total = (st.total if st else None) or int(params.get("es.updates") or 0)
+        total = (st.total if st else None) or 0
         out.append(RunResult(key, r["label"], status, params, total, history))
     return out
 
@@ -95,9 +96,10 @@ def aggregate(sweep_dir: str | Path) -> Path:
     sd = SweepDir(sweep_dir)
     if not sd.exists():
         raise FileNotFoundError(f"{sd.path}: not a sweep folder (no sweep.json); submit it with `esbatch sweep FILE`")
-    meta = sd.read()
-    if meta.get("tracking") == "offline":
+    if sd.read().get("tracking") == "offline":
         merge_offline(sd)
+    sd.ensure_parent_run()  # a sweep whose runs never logged still gets its parent run and report
+    meta = sd.read()
     runs = collect(sd)
     analyses = parse_analyses(meta["aggregate"]) if meta.get("aggregate") else default_analyses(runs)
     write_report(runs, analyses, sd.results, title=f"sweep {meta['name']}")
@@ -105,6 +107,9 @@ def aggregate(sweep_dir: str | Path) -> Path:
         with _sqlite_lock(meta["tracking_uri"]):
             client = MlflowClient(tracking_uri=meta["tracking_uri"])
             client.log_artifacts(meta["parent_run_id"], str(sd.results), "results")
+            jobs = [s["job_id"] for s in meta.get("submissions", []) if s.get("kind") == "slurm"]
+            if jobs:
+                client.set_tag(meta["parent_run_id"], "slurm.array_job_ids", ",".join(jobs))
             if all(r.status == "finished" for r in runs):
                 client.set_terminated(meta["parent_run_id"], status="FINISHED")
     return sd.results

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from esbatch.es.checkpoint import RunDir
+from esbatch.train.rundir import RunDir
 
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path, title: str = "ES training") -> Path:

@@ -1,3 +1,3 @@
-"""Where runs execute: sweep files (sweep.py), launcher profiles (profile.py), the SLURM array through
-submitit (slurm.py) or local subprocesses (local.py), the per-task entry point (task.py), and the
-submit/status logic shared by both (submit.py, state.py)."""
+"""Where runs execute: sweep files expanded into runs (sweep.py), the launcher interface and registry
+(base.py) with its local (local.py) and SLURM (slurm.py) implementations, the per-task entry point
+(task.py), and the submit/status logic every launcher shares (submit.py, state.py)."""

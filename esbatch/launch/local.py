@@ -1,8 +1,9 @@
 """The local launcher: the sweep's tasks as subprocesses on this machine, ``array_parallelism`` at a time.
 
 Same task code as on SLURM (``python -m esbatch.launch.task SWEEP KEY``), no scheduler. It runs in the
-foreground with a progress display; Ctrl-C stops the tasks (each marks its run killed) and the next
-``esbatch sweep`` resumes them from their checkpoints.
+foreground with a progress display. A stop (Ctrl-C, SIGTERM; esbatch/train/stop.py) is passed on to the
+running tasks once, which stop between updates and mark their runs killed; no new task starts, and the
+next ``esbatch sweep`` resumes them from their folders.
 """
 
 from __future__ import annotations
@@ -13,64 +14,103 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
-from esbatch.launch.profile import LauncherProfile
+from esbatch.launch.base import Launcher
 from esbatch.launch.state import SweepDir, now
+from esbatch.train import stop
 
 
-def run(
-    profile: LauncherProfile, sd: SweepDir, keys: list[str], tick: Callable[[], None] | None = None
-) -> dict[str, Any]:
-    """Run ``keys``; returns the submission record with each task's exit code."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in profile.container.env.items()}}
-    if profile.cpus_per_task and "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(profile.cpus_per_task)
-    queue = list(keys)
-    live: dict[str, subprocess.Popen] = {}
-    codes: dict[str, int] = {}
-    record = {"kind": "local", "job_id": f"local-{os.getpid()}", "keys": keys, "time": now(), "pids": {}}
-    with sd.locked() as meta:  # recorded up front so `esbatch status` elsewhere sees the live pids
-        meta["submissions"].append(record)
-        slot = len(meta["submissions"]) - 1
+class LocalLauncher(Launcher):
+    kind: ClassVar[str] = "local"
+    foreground: ClassVar[bool] = True
 
-    def save() -> None:
-        with sd.locked() as meta:
-            meta["submissions"][slot] = record
+    def __init__(self, profile: Any, tick: Callable[[], None] | None = None) -> None:
+        super().__init__(profile)
+        self.tick = tick
 
-    try:
+    def submit(self, sd: SweepDir, name: str, keys: list[str]) -> list[dict[str, Any]]:
+        """Run ``keys``; returns the submission record with each task's exit code."""
+        record = {"kind": "local", "job_id": f"local-{os.getpid()}", "keys": keys, "time": now(), "pids": {}}
+        with sd.locked() as meta:  # recorded up front so `esbatch status` elsewhere sees the live pids
+            meta.setdefault("submissions", []).append(record)
+            slot = len(meta["submissions"]) - 1
+
+        def save() -> None:
+            with sd.locked() as meta:
+                meta["submissions"][slot] = record
+
+        codes: dict[str, int] = {}
+        try:
+            self._run(sd, keys, record, codes, save)
+        finally:
+            record["exit_codes"] = codes
+            save()
+        stop.check()  # the tasks were told to stop: say so (exit 130), after the record is saved
+        return [record]
+
+    def _run(self, sd: SweepDir, keys: list[str], record: dict, codes: dict, save: Callable[[], None]) -> None:
+        queue, live, told = list(keys), {}, False
         while queue or live:
-            while queue and len(live) < profile.array_parallelism:
+            while queue and len(live) < self.profile.array_parallelism and not stop.requested():
                 key = queue.pop(0)
-                log_path = sd.runs / key / "task.log"
-                log_path.parent.mkdir(parents=True, exist_ok=True)
-                with open(log_path, "a") as log:
-                    live[key] = subprocess.Popen(
-                        [sys.executable, "-m", "esbatch.launch.task", str(sd.path), key],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                    )
+                live[key] = self._start(sd, key)
                 record["pids"][key] = live[key].pid
                 save()
+            if stop.requested() and not told:
+                for proc in live.values():
+                    proc.send_signal(signal.SIGTERM)  # each task stops after its current update
+                told, queue = True, []
             for key, proc in list(live.items()):
                 if proc.poll() is not None:
                     codes[key] = proc.returncode
                     del live[key]
-            if tick:
-                tick()
+            if self.tick:
+                self.tick()
             time.sleep(0.5)
-    except KeyboardInterrupt:
-        for proc in live.values():
-            proc.send_signal(signal.SIGTERM)
-        for key, proc in live.items():
-            try:
-                codes[key] = proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                codes[key] = proc.wait()
-        raise
-    finally:
-        record["exit_codes"] = codes
-        save()
-    return record
+
+    def _start(self, sd: SweepDir, key: str) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in self.profile.container.env.items()}}
+        if self.profile.cpus_per_task and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(self.profile.cpus_per_task)
+        log_path = sd.run_dir(key).task_log
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "esbatch.launch.task", str(sd.path), key],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+
+    def states(self, sd: SweepDir, submissions: list[dict[str, Any]]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for sub in submissions:
+            for key, pid in sub.get("pids", {}).items():
+                if _alive(pid):
+                    out[key] = "RUNNING"
+        return out
+
+    def cancel(self, sd: SweepDir, submissions: list[dict[str, Any]]) -> None:
+        """Stop the launcher (it starts nothing more) and its tasks: each stops after its current update."""
+        for sub in submissions:
+            launcher = int(sub["job_id"].removeprefix("local-"))
+            for pid, what in [
+                (launcher, b"esbatch"),
+                *((p, b"esbatch.launch.task") for p in sub.get("pids", {}).values()),
+            ]:
+                if _alive(pid, what):
+                    os.kill(pid, signal.SIGTERM)
+
+    def describe(self, sd: SweepDir, name: str, n_tasks: int) -> str:
+        return f"would run {n_tasks} task(s) here, {self.profile.array_parallelism} at a time (nothing run)"
+
+
+def _alive(pid: int, what: bytes = b"esbatch.launch.task") -> bool:
+    """A live esbatch process (a task by default) with this pid, not a recycled pid of another program."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return what in cmd

@@ -3,6 +3,10 @@
 Each array task runs ``SweepTask(sweep_dir)(key)`` with submitit's python command, which is replaced by
 ``apptainer exec --nv --bind ... IMAGE python`` (or ``docker run ...``) when the profile names a container.
 An aggregator job (``esbatch aggregate``) waits on the arrays with ``--dependency=afterok``.
+
+``--dry-run`` prints the sbatch script submitit will write, made by submitit's own (private)
+``_make_sbatch_string``: submitit is pinned (pyproject.toml) and tests/unit/test_sweep.py fails when the
+installed version or that function's signature changes, before the golden script would drift.
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from esbatch.launch.profile import LauncherProfile
+from esbatch.config.launcher import LauncherProfile
+from esbatch.launch.base import Launcher
 from esbatch.launch.state import SweepDir, now
+
+SUBMITIT_VERSION = "1.5.4"  # the pinned version whose private _make_sbatch_string render_sbatch calls
 
 _SAFE = re.compile(r"[\w@%+=:,./${}-]+")
 
@@ -110,7 +117,7 @@ def _executor(profile: LauncherProfile, sd: SweepDir, job_name: str) -> Any:
 
 def submit(profile: LauncherProfile, sd: SweepDir, name: str, keys: list[str]) -> list[dict[str, Any]]:
     """Submit ``keys`` as array job(s) (+ the afterok aggregator job); returns submission records."""
-    from esbatch.launch.task import SweepTask, aggregate_task
+    from esbatch.launch.task import CLIJob, SweepTask
 
     size = profile.max_array_size or max_array_size()
     records = []
@@ -132,7 +139,7 @@ def submit(profile: LauncherProfile, sd: SweepDir, name: str, keys: list[str]) -
             time=30,
             additional_parameters={"dependency": f"afterok:{deps}", "kill-on-invalid-dep": "yes"},
         )
-        job = ex.submit(aggregate_task, str(sd.path))
+        job = ex.submit(CLIJob("aggregate", str(sd.path)))
         records[-1]["aggregate_job"] = job.job_id
     return records
 
@@ -182,6 +189,37 @@ def _parse_states(text: str) -> dict[tuple[str, int], str]:
     return states
 
 
-def cancel(job_ids: list[str]) -> None:
-    if job_ids:
-        subprocess.run(["scancel", *job_ids], check=False)
+def job_state(job_id: str) -> str | None:
+    """The state of one plain job (the aggregator), or None while the scheduler does not know it yet."""
+    return scheduler_states([{"kind": "slurm", "job_id": job_id}]).get((job_id, 0))
+
+
+class SlurmLauncher(Launcher):
+    kind = "slurm"
+
+    def submit(self, sd: SweepDir, name: str, keys: list[str]) -> list[dict[str, Any]]:
+        records = submit(self.profile, sd, name, keys)
+        with sd.locked() as meta:
+            meta.setdefault("submissions", []).extend(records)
+        return records
+
+    def states(self, sd: SweepDir, submissions: list[dict[str, Any]]) -> dict[str, str]:
+        sched = scheduler_states(submissions)
+        out = {}
+        for sub in submissions:
+            for i, key in enumerate(sub["keys"]):
+                state = sched.get((sub["job_id"], i if sub.get("array", True) else 0))
+                if state:
+                    out[key] = state
+        return out
+
+    def cancel(self, sd: SweepDir, submissions: list[dict[str, Any]]) -> None:
+        ids = sorted(
+            {s["job_id"] for s in submissions} | {s["aggregate_job"] for s in submissions if s.get("aggregate_job")}
+        )
+        if ids:
+            subprocess.run(["scancel", *ids], check=False)
+
+    def describe(self, sd: SweepDir, name: str, n_tasks: int) -> str:
+        script = render_sbatch(self.profile, sd.path, f"esbatch-{name}", max(n_tasks, 1))
+        return f"# sbatch script for {n_tasks} task(s) (one array job; nothing submitted):\n\n{script}"

@@ -1,11 +1,14 @@
 """The sweep folder: the plan every task reads, what was submitted, and each run's state on disk.
 
 <sweep>/sweep.json        name, launcher, tracking, parent MLflow run, runs [{key, label, index}],
-                          submissions [{job_id, keys, aggregate_job, time}]
+                          submissions [{kind, job_id, keys, time, ...}]
 <sweep>/plan/<key>.yaml   the resolved config of each run (what the task trains)
-<sweep>/runs/<key>/       the run directory (config, log.jsonl, checkpoints; see es/checkpoint.py)
+<sweep>/runs/<key>/       the run folder (esbatch/train/rundir.py)
 <sweep>/slurm/            submitit's scripts, pickles and task logs
 <sweep>/results/          tables and plots from `esbatch aggregate`
+
+A run's state comes from its folder (run.json: status, budget, progress; the same for every algorithm)
+corrected by what the launcher's scheduler says (esbatch/launch/submit.py:run_states).
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from esbatch.es.checkpoint import RunDir
+from esbatch.train.rundir import RunDir
 
-# Scheduler states (sacct) that mean "still queued or running": such runs are never resubmitted.
+# Scheduler states (SLURM's words) that mean "still queued or running": such runs are never resubmitted.
 ACTIVE_STATES = {
     "PENDING",
     "RUNNING",
@@ -58,7 +61,7 @@ class SweepDir:
             fcntl.flock(lock, fcntl.LOCK_EX)
             meta = self.read()
             yield meta
-            tmp = self.meta_path.with_suffix(".tmp")
+            tmp = self.meta_path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(meta, indent=1))
             os.replace(tmp, self.meta_path)
 
@@ -71,6 +74,11 @@ class SweepDir:
     def plan_path(self, key: str) -> Path:
         return self.plan / f"{key}.yaml"
 
+    def plan_config(self, key: str) -> Any:
+        from esbatch.config.run import load_config
+
+        return load_config(str(self.plan_path(key)))
+
     def last_submission(self) -> dict[str, dict[str, Any]]:
         """key -> the newest submission record that included it (job id, array index)."""
         out: dict[str, dict[str, Any]] = {}
@@ -79,13 +87,33 @@ class SweepDir:
                 out[k] = {**sub, "array_index": i}
         return out
 
+    def ensure_parent_run(self) -> str:
+        """The sweep's MLflow parent run: created by whoever needs it first (a task, or the aggregator),
+        under the sweep lock, so submitting never waits for MLflow to create its store."""
+        from esbatch.tracking import MLflowTracker, run_tags
+
+        meta = self.read()
+        if meta.get("parent_run_id"):
+            return meta["parent_run_id"]
+        with self.locked() as m:
+            if m.get("parent_run_id"):
+                return m["parent_run_id"]
+            tr = MLflowTracker(m["tracking_uri"], m["experiment"], self.path / "mlartifacts")
+            runs = m.get("runs", [])
+            params = {"sweep.source": m.get("source"), "sweep.runs": len(runs), "sweep.launcher": m.get("launcher")}
+            axes = runs[0]["point"] if runs else {}
+            params.update({f"sweep.axis.{k}": str(sorted({repr(r["point"].get(k)) for r in runs})) for k in axes})
+            tags = {**run_tags(), "esbatch.sweep": m["name"], "esbatch.role": "parent", "launcher": m.get("launcher")}
+            m["parent_run_id"] = tr.start(m["name"], params, tags)
+            return m["parent_run_id"]
+
 
 @dataclass
 class RunState:
     key: str
     label: str
     state: str  # pending | queued | running | finished | killed | failed | interrupted
-    done: int  # updates logged
+    done: int  # updates done
     total: int | None
     last_reward: float | None
     heldout: float | None
@@ -93,38 +121,32 @@ class RunState:
     scheduler: str | None = None
 
 
-def disk_state(rd: RunDir, budget: int | None) -> tuple[str, int, int | None, float | None, float | None]:
-    """(state, updates done, total, last mean reward, last held-out accuracy) from a run directory alone."""
+def planned_total(plan: Any, meta: dict[str, Any]) -> int | None:
+    """A run's budget as its plan now says: in updates, or from its epochs and the training-set size the run
+    recorded; else what the run itself recorded. A raised budget thus reopens a finished run."""
+    algo = plan.algo()
+    total = algo.planned_budget(plan)
+    if total is None and meta.get("n_train"):
+        total = algo.budget(plan, int(meta["n_train"]))
+    return total if total is not None else meta.get("total_updates")
+
+
+def disk_state(rd: RunDir, plan: Any) -> tuple[str, int, int | None, float | None, float | None]:
+    """(state, updates done, total, last mean reward, last held-out accuracy) from a run folder alone."""
     if not rd.exists():
-        return "pending", 0, budget, None, None
+        return "pending", 0, planned_total(plan, {}), None, None
     meta = rd.read_meta()
-    ups = _tail_updates(rd)
-    done = ups[0]
-    evals = rd.evals()
-    heldout = max(evals, key=lambda e: e["t"])["heldout/accuracy"] if evals else None
-    total = budget or meta.get("total_updates")
+    done = rd.progress()
+    total = planned_total(plan, meta)
     status = meta.get("status", "running")
     if status == "finished" and total is not None and done < total:
         status = "interrupted"  # finished under a smaller budget: continue it
-    return status, done, total, ups[1], heldout
-
-
-def _tail_updates(rd: RunDir) -> tuple[int, float | None]:
-    """Number of logged updates and the last one's mean reward, without parsing the whole log."""
-    if not rd.log.exists():
-        return 0, None
-    n, last = 0, None
-    with open(rd.log, "rb") as f:
-        for line in f:
-            if line.endswith(b"\n"):
-                n += 1
-                last = line
-    if last is None:
-        return 0, None
-    try:
-        return n, json.loads(last)["metrics"]["reward/mean"]
-    except (json.JSONDecodeError, KeyError):
-        return n, None
+    reward, heldout = meta.get("last_reward"), meta.get("last_heldout")
+    if "last_reward" not in meta:  # a folder from before run.json kept it
+        ups, evals = rd.updates() if rd.log.exists() else [], rd.evals()
+        reward = ups[-1]["metrics"].get("reward/mean") if ups else None
+        heldout = max(evals, key=lambda e: e["t"]).get("heldout/accuracy") if evals else None
+    return status, done, total, reward, heldout
 
 
 def combine(disk: str, sched: str | None) -> str:

@@ -1,8 +1,8 @@
 """`esbatch sweep` / `esbatch status`: plan a sweep, submit what is not done, report each run's state.
 
 Idempotent: finished runs are skipped, queued or running ones are left alone, and failed, cancelled or
-interrupted ones are submitted again and continue from their checkpoints. The MLflow parent run is
-created once and reused; children are found again by their stable run key.
+interrupted ones are submitted again and continue from their folders. Submitting touches no MLflow store:
+the sweep's parent run is created by the first task that logs (SweepDir.ensure_parent_run).
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from esbatch.launch import slurm
+from esbatch.launch.base import LAUNCHERS, launcher_for
 from esbatch.launch.state import RunState, SweepDir, combine, disk_state, now
 from esbatch.launch.sweep import Sweep
+from esbatch.train.rundir import RunDir
 
 DONE_OR_ACTIVE = {"finished", "queued", "running"}
 
@@ -24,6 +24,11 @@ DONE_OR_ACTIVE = {"finished", "queued", "running"}
 def write_plan(sweep: Sweep) -> SweepDir:
     """Write plan/<key>.yaml for every run and the sweep's entry in sweep.json (runs, tracking, launcher)."""
     sd = SweepDir(sweep.dir)
+    if RunDir(sd.path).exists():
+        raise FileExistsError(
+            f"{sd.path} is a run folder (it holds {RunDir.CONFIG}), not a sweep folder; rename the sweep (--name) "
+            "or set its output_dir"
+        )
     sd.plan.mkdir(parents=True, exist_ok=True)
     for r in sweep.runs:
         text = r.config.to_yaml()
@@ -48,72 +53,59 @@ def write_plan(sweep: Sweep) -> SweepDir:
     return sd
 
 
-def ensure_parent(sweep: Sweep, sd: SweepDir) -> str:
-    """The sweep's MLflow parent run: created on the first submission, reused afterwards."""
-    from esbatch.tracking import MLflowTracker, run_tags
-
-    meta = sd.read()
-    tr = MLflowTracker(sweep.tracking_uri, sweep.experiment, sd.path / "mlartifacts")
-    if meta.get("parent_run_id"):
-        tr.run_id = meta["parent_run_id"]
-        return tr.run_id
-    params = {"sweep.source": sweep.source, "sweep.runs": len(sweep.runs), "sweep.launcher": sweep.launcher}
-    params.update(
-        {f"sweep.axis.{k}": str(sorted({repr(r.point.get(k)) for r in sweep.runs})) for k in sweep.runs[0].point}
-    )
-    tags = {**run_tags(), "esbatch.sweep": sweep.name, "esbatch.role": "parent", "launcher": sweep.launcher}
-    run_id = tr.start(sweep.name, params, tags)
-    with sd.locked() as m:
-        m["parent_run_id"] = run_id
-    return run_id
+def scheduler_states(sd: SweepDir, query: bool = True) -> dict[str, tuple[str, str | None]]:
+    """Run key -> (scheduler state, job id) of its newest submission, one query per launcher kind."""
+    subs = sd.read().get("submissions", [])
+    newest = sd.last_submission()
+    out: dict[str, tuple[str, str | None]] = {}
+    for kind in sorted({s.get("kind", "slurm") for s in subs}):
+        if not query and kind != "local":
+            continue
+        mine = [s for s in subs if s.get("kind", "slurm") == kind]
+        for key, state in _launcher(kind).states(sd, mine).items():
+            sub = newest.get(key)
+            if sub and sub.get("kind", "slurm") == kind:
+                out[key] = (state, _job_label(sub))
+    return out
 
 
-def tag_parent(sd: SweepDir, tags: dict[str, str]) -> None:
-    from mlflow.tracking import MlflowClient
+def _launcher(kind: str) -> Any:
+    from esbatch.config.launcher import LauncherProfile
 
-    from esbatch.tracking.mlflow_tracker import _sqlite_lock
+    return LAUNCHERS.get(kind)(LauncherProfile(cluster=kind))
 
-    meta = sd.read()
-    if not meta.get("parent_run_id"):
-        return
-    with _sqlite_lock(meta["tracking_uri"]):
-        client = MlflowClient(tracking_uri=meta["tracking_uri"])
-        for k, v in tags.items():
-            client.set_tag(meta["parent_run_id"], k, v)
+
+def _job_label(sub: dict[str, Any]) -> str:
+    if sub.get("kind") == "local":
+        return str(sub.get("pids", {}).get(sub["keys"][sub["array_index"]], "-"))
+    return f"{sub['job_id']}_{sub['array_index']}" if sub.get("array", True) else sub["job_id"]
 
 
 def run_states(sd: SweepDir, query_scheduler: bool = True) -> list[RunState]:
     """Each planned run's state from its folder, corrected by ONE batched scheduler query."""
-    import yaml
-
-    meta = sd.read()
-    subs = sd.last_submission()
-    sched: dict[tuple[str, int], str] = {}
-    if query_scheduler:
-        sched = slurm.scheduler_states([s for s in meta.get("submissions", []) if s.get("kind") == "slurm"])
+    sched = scheduler_states(sd, query_scheduler)
+    newest = sd.last_submission()
     out = []
-    for r in meta.get("runs", []):
-        plan = yaml.safe_load(sd.plan_path(r["key"]).read_text())
-        budget = (plan.get("es") or {}).get("updates")
-        disk, done, total, reward, heldout = disk_state(sd.run_dir(r["key"]), budget)
-        sub = subs.get(r["key"])
-        job, s = None, None
-        if sub and sub.get("kind") == "slurm":
-            job = f"{sub['job_id']}_{sub['array_index']}" if sub.get("array", True) else sub["job_id"]
-            s = sched.get((sub["job_id"], sub["array_index"]))
-        elif sub and sub.get("kind") == "local":
-            pid = sub.get("pids", {}).get(r["key"])
-            s = "RUNNING" if pid and _alive(pid) and disk != "finished" else None
-        out.append(RunState(r["key"], r["label"], combine(disk, s), done, total, reward, heldout, job, s))
+    for r in sd.read().get("runs", []):
+        disk, done, total, reward, heldout = disk_state(sd.run_dir(r["key"]), sd.plan_config(r["key"]))
+        state, job = sched.get(r["key"], (None, None))
+        if job is None and r["key"] in newest and newest[r["key"]].get("kind") != "local":
+            job = _job_label(newest[r["key"]])
+        out.append(RunState(r["key"], r["label"], combine(disk, state), done, total, reward, heldout, job, state))
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return b"esbatch.launch.task" in cmd
+def cancel_sweep(sd: SweepDir) -> list[str]:
+    """Stop every queued or running run of the sweep through the launcher that started it; returns the keys.
+    The runs stay resumable: the next `esbatch sweep` continues them."""
+    active = [s for s in run_states(sd) if s.state in ("queued", "running")]
+    keys = {s.key for s in active}
+    subs = sd.read().get("submissions", [])
+    for kind in sorted({s.get("kind", "slurm") for s in subs}):
+        mine = [s for s in subs if s.get("kind", "slurm") == kind and keys & set(s["keys"])]
+        if mine:
+            _launcher(kind).cancel(sd, mine)
+    return sorted(keys)
 
 
 def format_table(states: list[RunState]) -> str:
@@ -149,13 +141,12 @@ def follow(
     from tqdm.auto import tqdm
 
     states = run_states(sd)
-    total = sum(s.total or 0 for s in states)
-    bar = tqdm(total=total, desc=f"sweep {sd.read().get('name')}", unit="upd", dynamic_ncols=True)
+    bar = tqdm(total=sum(s.total or 0 for s in states), desc=f"sweep {sd.read().get('name')}", unit="upd")
     delay, last, idle = poll_s, None, 0
     try:
         while True:
             done = sum(s.done for s in states)
-            bar.total = max(total, sum(s.total or 0 for s in states))
+            bar.total = max(bar.total, sum(s.total or 0 for s in states))
             bar.n = done
             counts = Counter(s.state for s in states)
             bar.set_postfix({k: v for k, v in sorted(counts.items())}, refresh=True)
@@ -173,30 +164,24 @@ def follow(
         bar.close()
 
 
-def submit_sweep(sweep: Sweep, *, dry_run: bool = False, wait: bool = False, out: Any = None) -> int:
-    """Plan, skip what is finished or active, submit the rest. Returns a process exit code."""
-    out = out or sys.stdout
+def dry_run(sweep: Sweep, out: Any) -> int:
     sd = SweepDir(sweep.dir)
+    existing = {s.key: s for s in run_states(sd)} if sd.exists() else {}
     prof = sweep.profile
-    if dry_run:
-        existing = {s.key: s for s in run_states(sd)} if sd.exists() else {}
-        print(
-            f"sweep {sweep.name}: {len(sweep.runs)} runs, launcher {sweep.launcher} ({prof.cluster}), folder {sd.path}",
-            file=out,
-        )
-        for r in sweep.runs:
-            st = existing.get(r.key)
-            print(f"  {r.index:3d}  {r.key}  {r.label:50s} {st.state if st else 'new'}", file=out)
-        todo = [r for r in sweep.runs if not (existing.get(r.key) and existing[r.key].state in DONE_OR_ACTIVE)]
-        if prof.cluster == "slurm":
-            print(f"\n# sbatch script for {len(todo)} task(s) (one array job; nothing submitted):\n", file=out)
-            print(slurm.render_sbatch(prof, sd.path, f"esbatch-{sweep.name}", max(len(todo), 1)), file=out)
-        else:
-            print(f"\nwould run {len(todo)} task(s) here, {prof.array_parallelism} at a time (nothing run)", file=out)
-        return 0
+    head = f"sweep {sweep.name}: {len(sweep.runs)} runs, launcher {sweep.launcher} ({prof.cluster}), folder {sd.path}"
+    print(head, file=out)
+    for r in sweep.runs:
+        st = existing.get(r.key)
+        print(f"  {r.index:3d}  {r.key}  {r.label:50s} {st.state if st else 'new'}", file=out)
+    todo = [r for r in sweep.runs if not (existing.get(r.key) and existing[r.key].state in DONE_OR_ACTIVE)]
+    print("\n" + launcher_for(prof).describe(sd, sweep.name, len(todo)), file=out)
+    return 0
 
+
+def submit_sweep(sweep: Sweep, *, wait: bool = False, out: Any = None) -> int:
+    """Plan, skip what is finished or active, submit the rest. Returns a process exit code (130: stopped)."""
+    out = out or sys.stdout
     sd = write_plan(sweep)
-    ensure_parent(sweep, sd)
     states = {s.key: s for s in run_states(sd)}
     todo = [r.key for r in sweep.runs if states[r.key].state not in DONE_OR_ACTIVE]
     skipped = Counter(states[r.key].state for r in sweep.runs if r.key not in todo)
@@ -205,36 +190,18 @@ def submit_sweep(sweep: Sweep, *, dry_run: bool = False, wait: bool = False, out
         print("  skipping " + ", ".join(f"{n} {k}" for k, n in sorted(skipped.items())), file=out)
     if not todo:
         print("  nothing to submit.", file=out)
-        if prof.cluster == "local" or wait:
-            _aggregate_quietly(sd, out)
         return 0
     resumed = sum(1 for k in todo if states[k].done > 0 or states[k].state != "pending")
     print(f"  submitting {len(todo)} run(s) ({resumed} resume from their folders)", file=out)
-
-    if prof.cluster == "local":
-        from esbatch.launch import local
-
-        try:
-            record = local.run(prof, sd, todo, tick=_throttled_bar(sd))
-        except KeyboardInterrupt:
-            print("\ninterrupted: run `esbatch sweep` again to continue where each run stopped", file=out)
-            return 130
-        failed = {k: c for k, c in record["exit_codes"].items() if c}
-        for k, c in failed.items():
-            print(f"  run {k} exited with {c}; its log: {sd.runs / k / 'task.log'}", file=out)
-        print(format_table(run_states(sd)), file=out)
-        _aggregate_quietly(sd, out)
-        return 1 if failed else 0
-
-    records = slurm.submit(prof, sd, sweep.name, todo)
-    with sd.locked() as meta:
-        meta["submissions"].extend(records)
-    ids = [r["job_id"] for r in sd.read()["submissions"] if r.get("kind") == "slurm"]
-    tag_parent(sd, {"slurm.array_job_ids": ",".join(ids)})
+    launcher = launcher_for(sweep.profile)
+    if launcher.foreground:
+        return _run_here(launcher, sd, sweep, todo, out)
+    records = launcher.submit(sd, sweep.name, todo)
     for r in records:
         agg = f", aggregator job {r['aggregate_job']} (afterok)" if r.get("aggregate_job") else ""
         print(
-            f"  array job {r['job_id']}: {len(r['keys'])} task(s), at most {prof.array_parallelism} at once{agg}",
+            f"  array job {r['job_id']}: {len(r['keys'])} task(s), at most {sweep.profile.array_parallelism} "
+            f"at once{agg}",
             file=out,
         )
     print(f"  follow it: esbatch status {sd.path}" + ("" if wait else "   (or re-run with --wait)"), file=out)
@@ -244,11 +211,23 @@ def submit_sweep(sweep: Sweep, *, dry_run: bool = False, wait: bool = False, out
         if agg_job:
             print(f"  aggregator job {agg_job}: {_wait_job(agg_job)}", file=out)
         print(format_table(run_states(sd)), file=out)
-        if agg_job and (sd.results / "README.md").exists():
-            print(f"results: {sd.results}", file=out)
-        if not agg_job:
-            _aggregate_quietly(sd, out)
     return 0
+
+
+def _run_here(launcher: Any, sd: SweepDir, sweep: Sweep, todo: list[str], out: Any) -> int:
+    from esbatch.train import stop
+
+    launcher.tick = _throttled_bar(sd)
+    try:
+        (record,) = launcher.submit(sd, sweep.name, todo)
+    except stop.Stopped:
+        print("\ninterrupted: run `esbatch sweep` again to continue where each run stopped", file=out)
+        return 130
+    failed = {k: c for k, c in record["exit_codes"].items() if c}
+    for k, c in failed.items():
+        print(f"  run {k} exited with {c}; its log: {sd.run_dir(k).task_log}", file=out)
+    print(format_table(run_states(sd)), file=out)
+    return 1 if failed else 0
 
 
 def _throttled_bar(sd: SweepDir) -> Callable[[], None]:
@@ -277,28 +256,12 @@ def _throttled_bar(sd: SweepDir) -> Callable[[], None]:
 
 def _wait_job(job_id: str, poll_s: float = 2.0) -> str:
     """Wait for one plain job (the aggregator) to end; returns its final state."""
+    from esbatch.launch.slurm import job_state
+
     delay = poll_s
     while True:
-        state = _single_state(job_id)
+        state = job_state(job_id)
         if state and state.split()[0] not in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED", "CONFIGURING"):
             return state
         time.sleep(delay)
         delay = min(delay * 1.5, 30)
-
-
-def _single_state(job_id: str) -> str | None:
-    import subprocess
-
-    out = subprocess.run(["sacct", "-X", "-n", "-P", "--format=State", "-j", job_id], capture_output=True, text=True)
-    lines = [x for x in out.stdout.split() if x]
-    return lines[0] if lines else None
-
-
-def _aggregate_quietly(sd: SweepDir, out: Any) -> None:
-    from esbatch.aggregate.collect import aggregate
-
-    try:
-        path = aggregate(sd.path)
-        print(f"results: {path}", file=out)
-    except Exception as e:  # the runs are safe on disk; say what failed and how to retry
-        print(f"aggregation failed ({type(e).__name__}: {e}); retry with: esbatch aggregate {sd.path}", file=out)

@@ -1,18 +1,24 @@
 """What one array task (or one local subprocess) runs: train one planned run of a sweep, resuming if it can.
 
-On SLURM the task is a submitit ``Checkpointable``: ~signal_delay_s before the time limit (or on
-preemption) USR2 arrives, submitit calls ``checkpoint`` and requeues the job, and the requeued task
-resumes from the run folder (fp32 center checkpoint + replay of the logged updates, bit-exact).
+Every entry point follows the one stop policy (esbatch/train/stop.py): SIGTERM, SIGINT and, on SLURM,
+USR2 only ask the trainer to stop after its current update. On SLURM, USR2 arrives ~signal_delay_s before
+the time limit (or on preemption); once the run has stopped cleanly, submitit's own handler checkpoints and
+requeues the job, and the requeued task resumes from the run folder (bit-exact for ES).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from submitit.helpers import Checkpointable
+
 from esbatch.launch.state import SweepDir
+from esbatch.train import stop
 
 
 def slurm_tags() -> dict[str, str]:
@@ -48,94 +54,82 @@ def distributed_env_from_slurm() -> None:
 
 def run_task(sweep_dir: str | Path, key: str, progress: bool = False) -> dict[str, Any]:
     """Train (or continue) run ``key`` of the sweep in ``sweep_dir``; returns the trainer's summary."""
-    from esbatch.config import load_config
-    from esbatch.es.trainer import train
+    from esbatch.train import train
 
     sd = SweepDir(sweep_dir)
     meta = sd.read()
-    ranks = int(os.environ.get("SLURM_NTASKS", "1"))
     entry = next((r for r in meta.get("runs", []) if r["key"] == key), None)
     if entry is None:
         raise KeyError(f"run {key} is not in the plan of {sd.meta_path}")
-    cfg = load_config(str(sd.plan_path(key)))
+    cfg = sd.plan_config(key)
     rd = sd.run_dir(key)
-    tags = {
-        "esbatch.sweep": meta["name"],
-        "esbatch.run_key": key,
-        "esbatch.label": entry["label"],
-        **slurm_tags(),
-    }
+    tags = {"esbatch.sweep": meta["name"], "esbatch.run_key": key, "esbatch.label": entry["label"], **slurm_tags()}
     if meta.get("tracking") == "offline":  # a private store in the run folder; `esbatch aggregate` merges it
-        cfg.tracking.uri = f"sqlite:///{rd.path.resolve() / 'mlflow.db'}"
-    elif meta.get("parent_run_id"):
-        tags["mlflow.parentRunId"] = meta["parent_run_id"]
-    if ranks > 1:
-        if cfg.algorithm == "pipeline":
-            raise ValueError("pipeline runs use one process; set ntasks_per_node: 1 and nodes: 1 for them")
+        cfg.tracking.uri = rd.offline_uri()
+    else:
+        tags["mlflow.parentRunId"] = sd.ensure_parent_run()
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        if not cfg.algo().multi_rank:
+            raise ValueError(f"{cfg.algorithm} runs use one process; set ntasks_per_node: 1 and nodes: 1 for them")
         distributed_env_from_slurm()
     resume = rd.exists()
     if resume and os.environ.get("RANK", "0") == "0":
         rd.config.write_text(cfg.to_yaml())  # only budgets/bookkeeping can differ: the key pins the rest
     print(f"esbatch task: sweep {meta['name']} run {key} ({entry['label']}) resume={resume}", flush=True)
-    if cfg.algorithm == "pipeline":
-        from esbatch.pipeline import run_pipeline
-
-        return run_pipeline(cfg, rd.path, resume=resume, progress=progress, run_name=entry["label"], tags=tags)
-    if cfg.algorithm == "grpo":
-        from esbatch.grpo.trainer import train_grpo
-
-        return train_grpo(cfg, rd.path, resume=resume, progress=progress, run_name=entry["label"], tags=tags)
     return train(cfg, rd.path, resume=resume, progress=progress, run_name=entry["label"], tags=tags)
 
 
-try:
-    from submitit.helpers import Checkpointable, DelayedSubmission
-except ImportError:  # pragma: no cover - submitit is a dependency; keep the local path importable anyway
-    Checkpointable = object  # type: ignore[assignment,misc]
-    DelayedSubmission = None  # type: ignore[assignment]
+class SweepTask(Checkpointable):
+    """The callable submitit pickles for the array: ``SweepTask(sweep_dir)(key)``.
 
-
-class SweepTask(Checkpointable):  # type: ignore[misc,valid-type]
-    """The callable submitit pickles for the array: ``SweepTask(sweep_dir)(key)``."""
+    submitit's default ``checkpoint`` (resubmit the same call) is all a requeue needs: everything else is
+    on disk, and the requeued task resumes from the run folder.
+    """
 
     def __init__(self, sweep_dir: str) -> None:
         self.sweep_dir = str(sweep_dir)
 
     def __call__(self, key: str) -> dict[str, Any]:
-        summary = run_task(self.sweep_dir, key)
+        requeue = signal.getsignal(signal.SIGUSR2)  # submitit's checkpoint-and-requeue handler
+        stop.install((signal.SIGTERM, signal.SIGINT, signal.SIGUSR2))
+        try:
+            summary = run_task(self.sweep_dir, key)
+        except stop.Stopped:
+            if stop.received(signal.SIGUSR2) and callable(requeue):
+                requeue(signal.SIGUSR2, None)  # the run stopped cleanly: now checkpoint, requeue and exit
+            raise
         return {k: summary.get(k) for k in ("run_dir", "updates", "mlflow_run_id", "wall_s")}
 
-    def checkpoint(self, key: str) -> Any:
-        # Everything needed is already on disk (log.jsonl is fsynced after every update), so the
-        # requeued task simply runs again and resumes from the run folder.
-        return DelayedSubmission(SweepTask(self.sweep_dir), key)
 
+class CLIJob:
+    """A job that runs ``esbatch ARGS`` with the job's own interpreter (the aggregator after the array)."""
 
-def aggregate_task(sweep_dir: str) -> str:
-    """The job submitted with afterok on the array: merge offline stores, write tables and plots."""
-    from esbatch.aggregate.collect import aggregate
+    def __init__(self, *args: str) -> None:
+        self.args = list(args)
 
-    return str(aggregate(sweep_dir))
+    def __call__(self) -> str:
+        p = subprocess.run([sys.executable, "-m", "esbatch", *self.args], capture_output=True, text=True)
+        sys.stdout.write(p.stdout)
+        sys.stderr.write(p.stderr)
+        if p.returncode:
+            raise RuntimeError(f"esbatch {' '.join(self.args)} exited with {p.returncode}")
+        return p.stdout
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m esbatch.launch.task SWEEP_DIR KEY`: the local launcher's subprocess entry point."""
-    import signal
-
     args = argv if argv is not None else sys.argv[1:]
     if len(args) != 2:
         print("usage: python -m esbatch.launch.task SWEEP_DIR RUN_KEY", file=sys.stderr)
         return 2
-
-    def _terminate(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _terminate)
+    stop.install()
     try:
         run_task(args[0], args[1])
     except KeyboardInterrupt:
         print("interrupted; the next `esbatch sweep` resumes this run", file=sys.stderr)
         return 130
+    finally:
+        stop.settle()
     return 0
 
 

@@ -1,7 +1,8 @@
 """A real single-node SLURM cluster (scripts/slurm/start-slurm.sh) for the launch tests.
 
-Started once per session. Where it cannot start (not root, no apt) the tests are skipped, unless
-ESBATCH_REQUIRE_SLURM=1 (set by .ci/run), which turns that into a failure.
+Started once per session and stopped at its end (scripts/slurm/stop-slurm.sh), unless it was already
+running before the tests: then it is left as it was found. Where it cannot start (not root, no apt) the
+tests are skipped, unless ESBATCH_REQUIRE_SLURM=1 (set by .ci/run), which turns that into a failure.
 """
 
 import os
@@ -14,6 +15,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _running() -> bool:
+    try:
+        out = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "is UP" in out
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
     require = os.environ.get("ESBATCH_REQUIRE_SLURM") == "1"
@@ -21,6 +30,7 @@ def slurm_cluster():
         if require:
             pytest.fail("ESBATCH_REQUIRE_SLURM=1 but the test cluster needs root and apt-get")
         pytest.skip("the single-node SLURM test cluster needs root and apt-get")
+    was_running = _running()
     env = {**os.environ, "SLURM_CI_CPUS": "24"}  # 16 concurrent 1-CPU tasks + the aggregator on 2 real cores
     p = subprocess.run(["bash", str(ROOT / "scripts/slurm/start-slurm.sh")], env=env, capture_output=True, text=True)
     if p.returncode != 0:
@@ -28,4 +38,6 @@ def slurm_cluster():
         if require:
             pytest.fail(msg)
         pytest.skip(msg)
-    return True
+    yield True
+    if not was_running:  # leave the machine as the tests found it
+        subprocess.run(["bash", str(ROOT / "scripts/slurm/stop-slurm.sh")], env=env, capture_output=True, timeout=300)

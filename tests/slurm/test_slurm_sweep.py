@@ -330,3 +330,57 @@ def test_es_run_with_two_slurm_tasks_splits_the_population_and_matches_one_proce
     a = load_file(sweep_dir / "runs" / key / "center.safetensors")
     b = load_file(tmp_path / "single" / "single" / "center.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def algorithm_base(tmp: Path, model_dir: Path, **extra) -> Path:
+    """A base whose es.updates (50) is not the budget of the GRPO runs and pipelines swept over it."""
+    cfg = yaml.safe_load(tiny_base(tmp, model_dir, updates=50).read_text())
+    cfg.update(
+        grpo={"group_size": 4, "batch_size": 2, "learning_rate": 1e-3, "updates": 2},
+        checkpoint={"every": 1},
+        eval={"every": 0},
+        **extra,
+    )
+    p = tmp / f"{extra.get('algorithm', 'es')}-base.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def test_grpo_and_pipeline_sweeps_finish_and_a_requeued_pipeline_resumes_its_stage(tmp_path, tiny_model_dir):
+    grpo = shrunk_quickstart(tmp_path, tiny_model_dir, "gs", aggregate=None, grid={"grpo.learning_rate": [1e-3, 2e-3]})
+    spec = yaml.safe_load(grpo.read_text())
+    spec["base"] = str(algorithm_base(tmp_path, tiny_model_dir, algorithm="grpo"))
+    grpo.write_text(yaml.safe_dump(spec))
+    pipe = shrunk_quickstart(tmp_path, tiny_model_dir, "ps", aggregate=None, grid={})
+    spec = yaml.safe_load(pipe.read_text())
+    pipeline = {"stages": ["es", "grpo"], "updates": 10, "split": [1, 4]}
+    spec["base"] = str(algorithm_base(tmp_path, tiny_model_dir, algorithm="pipeline", pipeline=pipeline))
+    pipe.write_text(yaml.safe_dump(spec))
+    cli(tmp_path, "sweep", str(grpo))
+    cli(tmp_path, "sweep", str(pipe))
+
+    # the pipeline gets SLURM's time-limit warning while its GRPO stage trains: it stops, requeues, resumes
+    ps = tmp_path / "out" / "ps"
+    (sub,) = json.loads((ps / "sweep.json").read_text())["submissions"]
+    stage2 = wait_for(lambda: next(iter(ps.glob("runs/*/stage2-grpo")), None), 300, "stage 2 to start")
+    wait_for(
+        lambda: (stage2 / "log.jsonl").exists() and (stage2 / "log.jsonl").read_bytes().count(b"\n") >= 1,
+        300,
+        "a GRPO step",
+    )
+    stage1_log = (stage2.parent / "stage1-es" / "log.jsonl").read_bytes()
+    subprocess.run(["scancel", "--signal=USR2", sub["job_id"]], check=True)
+    wait_for(lambda: json.loads((stage2.parent / "run.json").read_text())["status"] == "killed", 120, "the stop")
+    for sweep_dir in (tmp_path / "out" / "gs", ps):
+        wait_sweep(sweep_dir, timeout=600)
+    assert (stage2.parent / "stage1-es" / "log.jsonl").read_bytes() == stage1_log  # stage 1 was not redone
+    assert (stage2 / "log.jsonl").read_bytes().count(b"\n") == 8
+    _, _, kids = children(ps, "ps")
+    (pipe_run,) = [k for k in kids if k.data.tags.get("algorithm") == "pipeline"]
+    assert pipe_run.info.status == "FINISHED" and pipe_run.data.tags["slurm.restarts"] == "1"
+
+    for path, sweep_dir, n, budget in ((grpo, tmp_path / "out" / "gs", 2, "2/2"), (pipe, ps, 1, "10/10")):
+        out, _ = cli(tmp_path, "status", str(sweep_dir))
+        assert f"{n} runs: {n} finished" in out and out.count(budget) == n, out
+        out, calls = cli(tmp_path, "sweep", str(path))
+        assert calls == 0 and f"skipping {n} finished" in out and "nothing to submit" in out, out

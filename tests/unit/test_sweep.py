@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from esbatch.config import ConfigError
+from esbatch.config.launcher import load_profile, parse_time
 from esbatch.launch import slurm
-from esbatch.launch.profile import load_profile, parse_time
 from esbatch.launch.state import combine
 from esbatch.launch.sweep import load_sweep, run_key
 
@@ -172,6 +172,20 @@ def test_golden_sbatch_for_the_a100_popsize_sweep():
     assert text == GOLDEN.read_text(), f"regenerate {GOLDEN} if this change is intended:\n{text}"
     assert "#SBATCH --array=0-11%12" in text and "#SBATCH --signal=USR2@300" in text
     assert "apptainer exec --nv --bind /SWEEP" in text and text.count("srun") == 1
+
+
+def test_submitit_is_the_pinned_version_whose_private_renderer_we_call():
+    """render_sbatch calls submitit's private _make_sbatch_string: fail loudly when submitit changes under it."""
+    import inspect
+
+    import submitit
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    assert submitit.__version__ == slurm.SUBMITIT_VERSION, "re-check render_sbatch and the golden script, then re-pin"
+    params = inspect.signature(_make_sbatch_string).parameters
+    assert {"command", "folder", "map_count", "array_parallelism", "signal_delay_s", "setup"} <= set(params)
+    pin = next(x for x in (ROOT / "pyproject.toml").read_text().splitlines() if x.strip().startswith('"submitit'))
+    assert f"submitit=={slurm.SUBMITIT_VERSION}" in pin
 
 
 def test_array_chunks_respect_max_array_size():
