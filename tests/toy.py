@@ -29,6 +29,32 @@ def run_esbatch(*args: str, timeout: float = 600, threads: int | None = 1) -> su
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def spawn_esbatch(*args: str) -> subprocess.Popen:
+    """`python -m esbatch ARGS` started in the background (one thread, toy tasks importable), output piped."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "esbatch", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def toy_config(model_dir: str | Path, *, heldout: int = 4, gen_batch: int = 8, **sections) -> dict:
+    """The run config most integration tests train: the toy digit task on a tiny model, ES N=4 B=4.
+
+    Each keyword replaces or adds one top-level section (`es=`, `grpo=`, `eval=`, `algorithm=`, ...);
+    `es_updates=` only sets `es.updates`. Sections passed as None are dropped."""
+    es_updates = sections.pop("es_updates", None)
+    cfg = {
+        "run": {"seed": 3, "threads": 1},
+        "model": {"name": str(model_dir), "dtype": "float32"},
+        "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": heldout, "few_shot": 1},
+        "generation": {"temperature": 1.0, "max_new_tokens": 6, "batch_size": gen_batch},
+        "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02, "batch_size": 4},
+        **sections,
+    }
+    if es_updates is not None:
+        cfg["es"] = {**cfg["es"], "updates": es_updates}
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
 def make_tiny_model(path: str | Path, seed: int = 0, *, hidden: int = 32, heads: int = 4) -> Path:
     """Save a 2-layer Llama (hidden 32) with a character-level tokenizer as an HF directory.
 

@@ -7,7 +7,7 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
-from toy import run_esbatch
+from toy import run_esbatch, toy_config
 
 from esbatch.config import ConfigError, config_from_dict
 from esbatch.pipeline import stage_budgets
@@ -30,19 +30,18 @@ def test_pipeline_config_errors():
 
 
 def test_es_then_grpo_pipeline(tmp_path, tiny_model_dir):
-    cfg = {
-        "algorithm": "pipeline",
-        "pipeline": {"stages": ["es", "grpo"], "updates": 4},
-        "run": {"name": "p", "seed": 3, "output_dir": str(tmp_path / "runs"), "threads": 1},
-        "model": {"name": str(tiny_model_dir), "dtype": "float32"},
-        "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": 2, "few_shot": 1},
-        "generation": {"temperature": 1.0, "max_new_tokens": 6, "batch_size": 16},
-        "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02, "batch_size": 4},
-        "grpo": {"group_size": 4, "batch_size": 2, "learning_rate": 1e-3},
-        "eval": {"every": 0},
-        "checkpoint": {"every": 2},
-        "tracking": {"experiment": "pipe"},
-    }
+    cfg = toy_config(
+        tiny_model_dir,
+        heldout=2,
+        gen_batch=16,
+        algorithm="pipeline",
+        pipeline={"stages": ["es", "grpo"], "updates": 4},
+        run={"name": "p", "seed": 3, "output_dir": str(tmp_path / "runs"), "threads": 1},
+        grpo={"group_size": 4, "batch_size": 2, "learning_rate": 1e-3},
+        eval={"every": 0},
+        checkpoint={"every": 2},
+        tracking={"experiment": "pipe"},
+    )
     path = tmp_path / "pipe.yaml"
     path.write_text(yaml.safe_dump(cfg))
     p = run_esbatch("train", str(path), "--no-progress")
@@ -70,17 +69,15 @@ def test_es_then_grpo_pipeline(tmp_path, tiny_model_dir):
 
 def test_pipelines_are_swept_like_any_config(tmp_path, tiny_model_dir):
     """A sweep over the stage order: es->grpo and grpo->es, each a pipeline run with nested stages."""
-    base = {
-        "algorithm": "pipeline",
-        "pipeline": {"stages": ["es", "grpo"], "updates": 2},
-        "run": {"seed": 3, "threads": 1},
-        "model": {"name": str(tiny_model_dir), "dtype": "float32"},
-        "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": 2, "few_shot": 1},
-        "generation": {"temperature": 1.0, "max_new_tokens": 6, "batch_size": 16},
-        "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02, "batch_size": 4},
-        "grpo": {"group_size": 4, "batch_size": 2, "learning_rate": 1e-3},
-        "eval": {"every": 0},
-    }
+    base = toy_config(
+        tiny_model_dir,
+        heldout=2,
+        gen_batch=16,
+        algorithm="pipeline",
+        pipeline={"stages": ["es", "grpo"], "updates": 2},
+        grpo={"group_size": 4, "batch_size": 2, "learning_rate": 1e-3},
+        eval={"every": 0},
+    )
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
     sweep = {
         "name": "order",

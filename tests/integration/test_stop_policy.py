@@ -14,21 +14,20 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
-from toy import ROOT, run_esbatch
+from toy import ROOT, run_esbatch, spawn_esbatch, toy_config
 
 UPDATES = 4
 
 
 def write_sweep(tmp: Path, model_dir: Path) -> Path:
-    base = {
-        "run": {"seed": 5, "threads": 1},
-        "model": {"name": str(model_dir), "dtype": "float32"},
-        "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": 2, "few_shot": 1},
-        "generation": {"temperature": 1.0, "max_new_tokens": 6, "batch_size": 8},
-        "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02, "batch_size": 4, "updates": UPDATES},
-        "eval": {"every": 2},
-        "checkpoint": {"every": 2},
-    }
+    base = toy_config(
+        model_dir,
+        heldout=2,
+        es_updates=UPDATES,
+        eval={"every": 2},
+        checkpoint={"every": 2},
+        run={"seed": 5, "threads": 1},
+    )
     (tmp / "base.yaml").write_text(yaml.safe_dump(base))
     sweep = {
         "name": "storm",
@@ -53,15 +52,7 @@ def test_signal_storm_on_a_local_sweep_loses_nothing(tmp_path, tiny_model_dir):
     ref = run_esbatch("sweep", str(path), "--name", "calm", timeout=900)  # the undisturbed reference
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "esbatch", "sweep", str(path)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = spawn_esbatch("sweep", str(path))
     sd = tmp_path / "out" / "storm"
     deadline = time.time() + 300
     while time.time() < deadline:  # every run has logged an update: all three are writing to the store

@@ -2,29 +2,25 @@
 submits nothing (their base config's es.updates differs from their own budget), and a half-done pipeline
 resumes its unfinished stage only. Through the local launcher; tests/slurm repeats this on SLURM."""
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import yaml
-from toy import ROOT, run_esbatch
+from toy import run_esbatch, spawn_esbatch, toy_config
 
 
 def base(tmp: Path, model_dir: Path, **extra) -> Path:
-    cfg = {
-        "run": {"seed": 3, "threads": 1},
-        "model": {"name": str(model_dir), "dtype": "float32"},
-        "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": 2, "few_shot": 1},
-        "generation": {"temperature": 1.0, "max_new_tokens": 6, "batch_size": 16},
-        "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02, "batch_size": 4, "updates": 50},
-        "grpo": {"group_size": 4, "batch_size": 2, "learning_rate": 1e-3, "updates": 2},
-        "eval": {"every": 0},
-        "checkpoint": {"every": 1},
+    cfg = toy_config(
+        model_dir,
+        heldout=2,
+        gen_batch=16,
+        es_updates=50,
+        grpo={"group_size": 4, "batch_size": 2, "learning_rate": 1e-3, "updates": 2},
+        eval={"every": 0},
+        checkpoint={"every": 1},
         **extra,
-    }
+    )
     p = tmp / "base.yaml"
     p.write_text(yaml.safe_dump(cfg))
     return p
@@ -60,15 +56,7 @@ def test_a_half_done_pipeline_resumes_its_unfinished_stage(tmp_path, tiny_model_
         pipeline={"stages": ["es", "grpo"], "updates": 10, "split": [1, 4]},
     )
     path = sweep_file(tmp_path, "p")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "esbatch", "sweep", str(path)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = spawn_esbatch("sweep", str(path))
     runs = tmp_path / "out" / "p" / "runs"
     deadline = time.time() + 600
     stage2 = None

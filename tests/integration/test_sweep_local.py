@@ -10,21 +10,14 @@ from pathlib import Path
 
 import yaml
 from mlflow.tracking import MlflowClient
+from toy import toy_config
 
 ROOT = Path(__file__).resolve().parents[2]
 UPDATES = 6
 
 
 def write_sweep(tmp: Path, model_dir: Path) -> Path:
-    base = {
-        "run": {"seed": 3, "threads": 1},
-        "model": {"name": str(model_dir), "dtype": "float32"},
-        "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": 4, "few_shot": 1},
-        "generation": {"temperature": 1.0, "max_new_tokens": 6, "batch_size": 8},
-        "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02, "batch_size": 4, "updates": UPDATES},
-        "eval": {"every": 3},
-        "checkpoint": {"every": 2},
-    }
+    base = toy_config(model_dir, es_updates=UPDATES, eval={"every": 3}, checkpoint={"every": 2})
     (tmp / "base.yaml").write_text(yaml.safe_dump(base))
     sweep = {
         "name": "loc",

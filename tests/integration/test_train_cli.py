@@ -11,22 +11,21 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from toy import toy_config
 
 ROOT = Path(__file__).resolve().parents[2]
 UPDATES = 6
 
 
 def write_config(tmp: Path, model_dir: Path, name: str) -> Path:
-    cfg = {
-        "run": {"name": name, "seed": 3, "output_dir": str(tmp / "runs"), "threads": 1},
-        "model": {"name": str(model_dir), "dtype": "float32"},
-        "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": 4, "few_shot": 1},
-        "generation": {"temperature": 1.0, "max_new_tokens": 6, "batch_size": 8},
-        "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02, "batch_size": 4, "updates": UPDATES},
-        "eval": {"every": 3},
-        "checkpoint": {"every": 2},
-        "tracking": {"experiment": "tests"},
-    }
+    cfg = toy_config(
+        model_dir,
+        es_updates=UPDATES,
+        run={"name": name, "seed": 3, "output_dir": str(tmp / "runs"), "threads": 1},
+        eval={"every": 3},
+        checkpoint={"every": 2},
+        tracking={"experiment": "tests"},
+    )
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

@@ -16,21 +16,14 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
+from toy import toy_config
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
 
 def tiny_base(tmp: Path, model_dir: Path, updates: int = 4) -> Path:
-    cfg = {
-        "run": {"seed": 3, "threads": 1},
-        "model": {"name": str(model_dir), "dtype": "float32"},
-        "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": 4, "few_shot": 1},
-        "generation": {"temperature": 1.0, "max_new_tokens": 6, "batch_size": 8},
-        "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02, "batch_size": 4, "updates": updates},
-        "eval": {"every": 2},
-        "checkpoint": {"every": 2},
-    }
+    cfg = toy_config(model_dir, es_updates=updates, eval={"every": 2}, checkpoint={"every": 2})
     p = tmp / "tiny-base.yaml"
     p.write_text(yaml.safe_dump(cfg))
     return p
@@ -298,15 +291,15 @@ def sweep_two_tasks(tmp: Path, name: str, base: Path) -> tuple[Path, str]:
 
 def test_grpo_run_with_two_slurm_tasks_is_one_two_rank_deepspeed_job(tmp_path, tiny_model_dir):
     """ntasks_per_node: 2 -> srun starts two ranks of one GRPO run (the multi-node path, on one node)."""
-    base = {
-        "algorithm": "grpo",
-        "run": {"seed": 3, "threads": 1},
-        "model": {"name": str(tiny_model_dir), "dtype": "float32"},
-        "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": 2, "few_shot": 1},
-        "generation": {"temperature": 1.0, "max_new_tokens": 6, "batch_size": 16},
-        "grpo": {"group_size": 4, "batch_size": 4, "learning_rate": 1e-3, "updates": 2},
-        "eval": {"every": 0},
-    }
+    base = toy_config(
+        tiny_model_dir,
+        heldout=2,
+        gen_batch=16,
+        algorithm="grpo",
+        es=None,
+        grpo={"group_size": 4, "batch_size": 4, "learning_rate": 1e-3, "updates": 2},
+        eval={"every": 0},
+    )
     (tmp_path / "grpo-base.yaml").write_text(yaml.safe_dump(base))
     sweep_dir, key = sweep_two_tasks(tmp_path, "g2", tmp_path / "grpo-base.yaml")
     log = [json.loads(x) for x in (sweep_dir / "runs" / key / "log.jsonl").read_text().splitlines()]
