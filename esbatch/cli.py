@@ -140,7 +140,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         except ConfigError as e:
             bad += 1
             print(str(e), file=sys.stderr)
-    return 1 if bad else 0
+    return 2 if bad else 0  # 2, like every other command's bad input
 
 
 def _validate(name: str, kind: str | None, overrides: list[str]) -> list[str]:
@@ -244,7 +244,7 @@ def _sweep_dir(arg: str, name: str | None = None) -> Path:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from esbatch.launch.state import SweepDir
-    from esbatch.launch.submit import follow, format_table, run_states
+    from esbatch.launch.submit import follow, format_table, memory_warnings, run_states
 
     sd = SweepDir(_sweep_dir(args.sweep, args.name))
     if not sd.exists():
@@ -254,6 +254,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     meta = sd.read()
     print(f"sweep {meta['name']} ({meta['launcher']}, {meta['cluster']}) in {sd.path}")
     print(format_table(run_states(sd)))
+    for w in memory_warnings(sd):
+        print(f"memory: {w}")
     return 0
 
 
@@ -487,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from esbatch.config import ConfigError
     from esbatch.registry import UnknownNameError
+    from esbatch.train.rundir import RunFolderError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -499,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ConfigError as e:
         return _err(str(e))
-    except (UnknownNameError, FileExistsError, FileNotFoundError) as e:
+    except (UnknownNameError, FileExistsError, FileNotFoundError, RunFolderError) as e:
         return _err(str(e))
     finally:
         stop.settle()

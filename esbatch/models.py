@@ -9,12 +9,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from esbatch.registry import Registry
+from esbatch.registry import Registry, did_you_mean
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -66,6 +67,45 @@ def resolve_source(name: str, gguf_file: str | None = None, revision: str | None
     if p.exists() and not p.is_dir():
         raise ValueError(f"model.name: {p} is a file but not a .gguf; give a model directory, hub id or .gguf file")
     return ModelSource(str(p) if p.exists() else name, gguf_file, revision)
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model name that resolves to nothing loadable; the message says what was tried."""
+
+
+def model_problem(name: str, gguf_file: str | None = None) -> str | None:
+    """Why ``name`` cannot be a model here, checked without loading it (None: it can, or it is a hub id,
+    which is checked when loaded). Accepted: an alias, a local HF folder, a .gguf file, a hub id org/name."""
+    if name in MODELS:
+        try:
+            resolve_source(name, gguf_file)
+        except FileNotFoundError as e:
+            return str(e)
+        return None
+    p = Path(name).expanduser()
+    local = name.startswith(("/", ".", "~")) or p.exists() or name.count("/") != 1
+    if not local and HUB_ID.match(name):
+        return None
+    if not p.exists():
+        aliases = MODELS.names()
+        return (
+            f"{name!r} is not a registered alias, an existing local folder or .gguf file, or a hub id (org/name)."
+            f"{_closest(name, aliases)} Aliases: {', '.join(aliases)}"
+        )
+    if p.is_file():
+        return None if p.suffix == ".gguf" else f"{p} is a file but not a .gguf; give a model folder or a .gguf file"
+    want = [gguf_file] if gguf_file else ["config.json"]
+    if not any((p / w).exists() for w in want):
+        return f"{p} holds no {want[0]}: not a Hugging Face model folder (saved with save_pretrained)"
+    return None
+
+
+def _closest(name: str, options: list[str]) -> str:
+    prefixed = [o for o in options if o.startswith(name.lower())]
+    return f" Did you mean '{prefixed[0]}'?" if len(prefixed) == 1 else did_you_mean(name, options)
 
 
 def cache_dir() -> Path:
@@ -136,9 +176,18 @@ def load_model_and_tokenizer(
 
     if dtype not in DTYPES:
         raise ValueError(f"model.dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    if why := model_problem(name, gguf_file):
+        raise ModelNotFoundError(f"model.name: {why}")
     path, rev = model_path(name, gguf_file, revision)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), revision=rev)
-    tok = AutoTokenizer.from_pretrained(path, revision=rev)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), revision=rev)
+        tok = AutoTokenizer.from_pretrained(path, revision=rev)
+    except OSError as e:  # transformers' not-found, no-network and gated-repo errors are all OSError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelNotFoundError(
+            f"model.name: cannot load {name!r} ({first}). For a hub id check the spelling, the network and, for a "
+            "gated model, HF_TOKEN; or give a local model folder, a .gguf file or an alias (esbatch ls models)"
+        ) from None
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

@@ -99,7 +99,7 @@ class Pipeline(Algorithm):
         cls, cfg: Any, run_dir: Path, *, resume: bool, progress: bool, run_name: str | None, tags: dict[str, str]
     ) -> dict[str, Any]:
         """Run the stages in order; returns a summary with each stage's folder and MLflow run."""
-        with RunSession(cfg, run_dir, resume=resume, run_name=run_name, tags=tags) as run:
+        with RunSession(cfg, run_dir, resume=resume, run_name=run_name, tags=tags, logs_updates=False) as run:
             if resume:  # budgets may have changed (RESUME_OVERRIDABLE): the folder keeps the current config
                 run.rd.config.write_text(cfg.to_yaml())
             total = cfg.pipeline.updates

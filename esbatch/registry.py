@@ -30,8 +30,9 @@ class UnknownNameError(KeyError):
 class Registry(Generic[T]):
     """A named collection of factories. ``get`` resolves lazy "module:attr" entries on first use."""
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
+    def __init__(self, kind: str, expect: type | None = None) -> None:
+        """``expect``: the class a user's "package.module:Class" entry must subclass (None: anything)."""
+        self.kind, self.expect = kind, expect
         self._entries: dict[str, Any] = {}
         self._help: dict[str, str] = {}
 
@@ -50,15 +51,12 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         if name not in self._entries and ":" in name:  # a user's own "package.module:Class"
-            module, _, attr = name.partition(":")
-            try:
-                return getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError) as e:
-                raise UnknownNameError(f"{self.kind} '{name}': cannot import it ({e})") from None
+            return self._user(name)
         if name not in self._entries:
             names = sorted(self._entries)
             raise UnknownNameError(
-                f"unknown {self.kind} '{name}'.{did_you_mean(name, names)} Available: {', '.join(names)}"
+                f"unknown {self.kind} '{name}'.{did_you_mean(name, names)} Available: {', '.join(names)} "
+                f'(or your own "package.module:Class")'
             )
         entry = self._entries[name]
         if isinstance(entry, str):
@@ -66,6 +64,51 @@ class Registry(Generic[T]):
             entry = getattr(importlib.import_module(module), attr)
             self._entries[name] = entry
         return entry
+
+    def _user(self, name: str) -> Any:
+        """Import a user's entry, saying exactly what went wrong: module missing, broken, or not a class of
+        the right kind (e.g. os:system)."""
+        module, _, attr = name.partition(":")
+        if not module or not attr:
+            raise UnknownNameError(f"{self.kind} '{name}': expected package.module:ClassName")
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name == module or module.startswith(f"{e.name}."):
+                raise UnknownNameError(
+                    f"{self.kind} '{name}': no module named '{module}'; put its folder on PYTHONPATH or install "
+                    "its package"
+                ) from None
+            raise UnknownNameError(
+                f"{self.kind} '{name}': importing '{module}' failed: {e} (a missing dependency)"
+            ) from None
+        except Exception as e:  # noqa: BLE001 - a SyntaxError or any error the user's module raises on import
+            raise UnknownNameError(
+                f"{self.kind} '{name}': importing '{module}' failed: {type(e).__name__}: {e}"
+            ) from None
+        if not hasattr(mod, attr):
+            public = [a for a in dir(mod) if not a.startswith("_")]
+            close = did_you_mean(attr, public)
+            raise UnknownNameError(f"{self.kind} '{name}': module '{module}' has no '{attr}'.{close}")
+        obj = getattr(mod, attr)
+        if self.expect is not None and not (isinstance(obj, type) and issubclass(obj, self.expect)):
+            want = f"{self.expect.__module__}.{self.expect.__qualname__}"
+            raise UnknownNameError(
+                f"{self.kind} '{name}' is {type(obj).__name__} {obj!r:.60}, not a subclass of {want}; a user "
+                f"{self.kind} is 'package.module:ClassName' naming such a class"
+            )
+        return obj
+
+    def problem(self, name: str) -> str | None:
+        """Why ``name`` cannot be used (unknown, not importable, wrong kind), or None when it can. Built-in
+        entries are not imported (a backend's engine may be installed only where it runs)."""
+        if name in self._entries:
+            return None
+        try:
+            self.get(name)
+        except UnknownNameError as e:
+            return str(e)
+        return None
 
     def names(self) -> list[str]:
         return sorted(self._entries)

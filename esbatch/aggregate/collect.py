@@ -6,6 +6,7 @@ that never reached MLflow is reported from its folder (or as missing), never sil
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import yaml
 
 from esbatch.aggregate.results import RunResult
 from esbatch.launch.state import SweepDir
+from esbatch.train.rundir import RunFolderError
 
 STATUS = {"FINISHED": "finished", "RUNNING": "running", "FAILED": "failed", "KILLED": "killed", "SCHEDULED": "pending"}
 
@@ -35,7 +37,11 @@ def merge_offline(sd: SweepDir) -> int:
     n = 0
     for r in meta.get("runs", []):
         rd = sd.run_dir(r["key"])
-        run_meta = rd.read_meta() if rd.meta.exists() else {}
+        try:
+            run_meta = rd.read_meta()
+        except RunFolderError as e:
+            print(f"warning: not merged: {e}", file=sys.stderr)
+            continue
         if rd.offline_store.exists() and run_meta.get("mlflow_run_id"):
             merge_run(
                 run_meta["tracking_uri"],

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from esbatch.config.loader import find, read_yaml
-from esbatch.config.run import BackendConfig, ModelConfig, TrackingConfig, parse_overrides
+from esbatch.config.run import BackendConfig, ModelConfig, TrackingConfig, model_errors, parse_overrides
 from esbatch.config.schema import ConfigError, Invalid, Schema, build, deep_merge, expects, setting
 from esbatch.registry import did_you_mean
 from esbatch.train.rundir import RunDir
@@ -106,6 +106,8 @@ class EvalConfig(Schema):
             errors.append("checkpoint / mlflow_run: give one source of trained weights, not both")
         if self.checkpoint and not RunDir(self.checkpoint).exists():
             errors.append(f"checkpoint: {self.checkpoint} is not a run folder (no {RunDir.CONFIG} there)")
+        if not self.checkpoint and not self.mlflow_run:  # else the run's own config names the model
+            model_errors(self.model, errors)
         why = BACKENDS.unsupported(self.backend.name, "eval") if self.backend.name in BACKENDS else None
         if why:
             errors.append(f"backend.name: {self.backend.name} cannot run evaluations: {why}")

@@ -8,6 +8,7 @@ with ``launcher_overrides:``. Moving a sweep to another cluster is one word (or 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,12 +76,44 @@ class LauncherProfile(Schema):
             )
         if self.mem is not None and not re.fullmatch(r"\d+[KMGT]?", str(self.mem)):
             errors.append(f"mem: {self.mem!r} is not a SLURM memory size. Valid forms: '64G', '16000M', '16000'")
+        for where, text in _strings(dataclasses.asdict(self)):
+            if "\n" in text or "\r" in text:
+                errors.append(
+                    f"{where}: {text[:40]!r}... holds a line break; profile values go into one line of the sbatch "
+                    "script (write one shell line per `setup` entry)"
+                )
         c = self.container
         if c.runtime != "none" and not c.image:
             errors.append(f"container.image: runtime {c.runtime} needs an image (e.g. image: /scratch/esbatch.sif)")
         for i, b in enumerate(c.binds):
             if not isinstance(b, str) or not b:
                 errors.append(f"container.binds[{i}]: expected 'src[:dst]', got {b!r}")
+
+
+def _strings(value: Any, path: str = "") -> list[tuple[str, str]]:
+    """(YAML path, text) of every string in a profile, keys included."""
+    if isinstance(value, str):
+        return [(path, value)]
+    if isinstance(value, dict):
+        out = []
+        for k, v in value.items():
+            sub = f"{path}.{k}" if path else str(k)
+            out += _strings(str(k), sub) + _strings(v, sub)
+        return out
+    if isinstance(value, list):
+        return [x for i, v in enumerate(value) for x in _strings(v, f"{path}[{i}]")]
+    return []
+
+
+def mem_mb(mem: str | None) -> int | None:
+    """A SLURM memory size ('64G', '16000M', '16000' = MB) in MiB; None when the profile leaves it unset."""
+    if mem is None:
+        return None
+    m = re.fullmatch(r"(\d+)([KMGT]?)", str(mem))
+    if not m:
+        raise ValueError(f"mem: {mem!r} is not a SLURM memory size")
+    scale = {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2)]
+    return int(int(m.group(1)) * scale)
 
 
 def parse_time(s: str | int) -> int:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from esbatch.config.loader import find, read_yaml
-from esbatch.config.schema import ConfigError, Schema, build, deep_merge, flatten, setting
-from esbatch.registry import did_you_mean
+from esbatch.config.schema import ConfigError, Schema, build, deep_merge, flatten, folder_name, setting
 
 # What a resumed run may change: budgets and bookkeeping, never what the logged updates depend on.
 RESUME_OVERRIDABLE = {
@@ -39,7 +39,7 @@ RETIRED = {("backend", "enable_sleep_mode")}
 
 @dataclass
 class RunConfig:
-    name: str = setting("run", "Run name; the run directory is <output_dir>/<name>.")
+    name: str = setting("run", "Run name; the run directory is <output_dir>/<name>.", check=folder_name)
     seed: int = setting(0, "Master seed: perturbation seeds, generation seeds and data order derive from it.")
     output_dir: str = setting("esbatch-runs", "Folder holding run directories (config, checkpoints, logs).")
     threads: int = setting(0, "torch CPU threads (0 = leave torch's default).", ge=0)
@@ -248,26 +248,27 @@ class TrainConfig(Schema):
         return self.algo().budget(self, n_train)
 
     def validate(self, path: str, errors: list[str]) -> None:
-        """Checks across sections and against the registries (algorithms, tasks, backends)."""
+        """Checks across sections and against the registries (algorithms, tasks, backends, models)."""
         from esbatch.backends import BACKENDS
         from esbatch.tasks import TASKS
         from esbatch.train.algorithms import ALGORITHMS
 
-        if self.algorithm not in ALGORITHMS:
-            errors.append(
-                f"algorithm: unknown algorithm '{self.algorithm}'.{did_you_mean(self.algorithm, ALGORITHMS.names())} "
-                f'Available: {", ".join(ALGORITHMS.names())} (or your own "package.module:Class")'
-            )
+        model_errors(self.model, errors)
+        out = Path(self.run.output_dir).expanduser()
+        if out.exists() and not out.is_dir():
+            errors.append(f"run.output_dir: {out} is a file; give a folder (it is created if missing)")
+
+        why = ALGORITHMS.problem(self.algorithm)
+        if why:
+            errors.append(f"algorithm: {why}")
         else:
             ALGORITHMS.get(self.algorithm).check(self, errors)
         dev = self.model.device
         if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
             errors.append(f"model.device: {dev!r} is not a device. Valid: auto, cpu, cuda, cuda:N")
-        if self.task.name not in TASKS:
-            errors.append(
-                f"task.name: unknown task '{self.task.name}'.{did_you_mean(self.task.name, TASKS.names())} "
-                f"Available: {', '.join(TASKS.names())}"
-            )
+        why = TASKS.problem(self.task.name)
+        if why:
+            errors.append(f"task.name: {why}")
         else:
             TASKS.get(self.task.name).check_params(self.task.params, "task.params", errors)
         if self.backend.name != "vllm" and self.backend.engines != 1:
@@ -275,11 +276,19 @@ class TrainConfig(Schema):
                 f"backend.engines: {self.backend.engines} engines need backend.name: vllm (the {self.backend.name} "
                 "backend holds one model); to split the population over processes set run.nproc_per_node instead"
             )
-        if self.backend.name not in BACKENDS:
-            errors.append(
-                f"backend.name: unknown backend '{self.backend.name}'."
-                f"{did_you_mean(self.backend.name, BACKENDS.names())} Available: {', '.join(BACKENDS.names())}"
-            )
+        why = BACKENDS.problem(self.backend.name)
+        if why:
+            errors.append(f"backend.name: {why}")
+
+
+def model_errors(model: ModelConfig, errors: list[str]) -> None:
+    """model.name must resolve (aliases and local folders now; hub ids when loaded); init_weights must exist."""
+    from esbatch.models import model_problem
+
+    if why := model_problem(model.name, model.gguf_file):
+        errors.append(f"model.name: {why}")
+    if model.init_weights and not Path(model.init_weights).expanduser().is_file():
+        errors.append(f"model.init_weights: {model.init_weights} is not a file (a center.safetensors)")
 
 
 # ----------------------------------------------------------------------------- loading

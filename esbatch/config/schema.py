@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -54,6 +55,19 @@ def expects(text: str) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]
         return fn
 
     return deco
+
+
+_FOLDER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=,+-]{0,119}$")
+
+
+@expects(
+    "a folder name: letters, digits and - _ . = , +, not starting with . or - (no / : it stays in its output folder)"
+)
+def folder_name(v: Any) -> str:
+    """Run and sweep names become folders under their output_dir: one path component, nothing that escapes."""
+    if not isinstance(v, str) or not _FOLDER_NAME.match(v):
+        raise Invalid(f"got {v!r}")
+    return v
 
 
 def setting(default: Any = REQUIRED, help: str = "", **checks: Any) -> Any:

@@ -17,27 +17,17 @@ aggregate: [...]                  # tables and plots (esbatch/config/aggregate.p
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from esbatch.config.schema import ConfigError, Invalid, Schema, expects, setting
-
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
-
-
-@expects("a sweep name; its folder is <output_dir>/<name> (letters, digits, - _ ., not starting with . or -)")
-def _sweep_name(v: Any) -> str:
-    if not isinstance(v, str) or not _NAME.match(v) or set(v) == {"."}:
-        raise Invalid(f"got {v!r}")
-    return v
+from esbatch.config.schema import ConfigError, Schema, folder_name, setting
 
 
 @dataclass
 class SweepFile(Schema):
     unknown_key: ClassVar[str] = "unknown sweep key"
 
-    name: str = setting(help="Sweep name; its folder is <output_dir>/<name>.", check=_sweep_name)
+    name: str = setting(help="Sweep name; its folder is <output_dir>/<name>.", check=folder_name)
     description: str = setting("", "Free text shown by `esbatch status` and in the report.")
     base: str = setting("quickstart", "Built-in run config name or YAML path every run starts from.")
     config: dict = setting({}, "Nested overrides applied to every run.")
@@ -49,6 +39,9 @@ class SweepFile(Schema):
     output_dir: str | None = setting(None, "Where the sweep folder goes (default: the base config's run.output_dir).")
     experiment: str | None = setting(None, "MLflow experiment (default: the sweep name).")
     aggregate: list | None = setting(None, "Tables and plots of `esbatch aggregate` (docs/sweeps-and-slurm.md).")
+    max_runs: int = setting(
+        1000, "Refuse to expand to more runs than this (a guard against a grid typo); raise it for big sweeps.", ge=1
+    )
 
     def validate(self, path: str, errors: list[str]) -> None:
         if self.aggregate is not None:

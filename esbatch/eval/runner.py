@@ -47,6 +47,7 @@ def resolve_weights(cfg: EvalConfig) -> WeightsSource:
         meta = rd.read_meta()
         if not rd.center.exists():
             raise FileNotFoundError(f"{rd.path}: no {RunDir.CENTER} yet (the run has not saved a checkpoint)")
+        rd.center_t()  # a damaged center is named now (RunFolderError), not deep inside the weight loader
         what = f"{_label(meta.get('algorithm', train_cfg.algorithm))} center of {rd.path}"
         return WeightsSource(train_cfg.model, rd.center, meta.get("tracking_uri"), meta.get("mlflow_run_id"), what)
     return WeightsSource(cfg.model, description=f"base model {cfg.model.name}")
@@ -117,10 +118,11 @@ class EvalDir:
     def sample_file(self, label: str) -> Path:
         return self.samples / f"{label.replace('/', '_')}.jsonl"
 
-    def read_samples(self, label: str) -> list[dict[str, Any]]:
+    def _scan(self, label: str) -> tuple[list[dict[str, Any]], int]:
+        """(rows, bytes of complete lines) up to the first torn or corrupt line. Reads only."""
         f = self.sample_file(label)
         if not f.exists():
-            return []
+            return [], 0
         rows, good = [], 0
         with open(f, "rb") as fh:
             for line in fh:
@@ -131,7 +133,17 @@ class EvalDir:
                 except json.JSONDecodeError:
                     break
                 good += len(line)
-        if good != f.stat().st_size:  # a torn tail from a killed eval: cut it so appends stay valid JSONL
+        return rows, good
+
+    def read_samples(self, label: str) -> list[dict[str, Any]]:
+        """The complete rows; never changes the file (tables and --recompute only read)."""
+        return self._scan(label)[0]
+
+    def repair(self, label: str) -> list[dict[str, Any]]:
+        """Before appending: cut a torn tail left by a killed eval so the file stays valid JSONL."""
+        rows, good = self._scan(label)
+        f = self.sample_file(label)
+        if f.exists() and good != f.stat().st_size:
             with open(f, "r+b") as fh:
                 fh.truncate(good)
         return rows
@@ -179,7 +191,7 @@ def run_task(cfg: EvalConfig, et: EvalTask, gen: Any, ed: EvalDir, progress: boo
     sampled = SamplingParams(s.temperature, s.top_p, max_new, n=s.n, entropy=True)
     greedy = SamplingParams(0.0, 1.0, max_new, n=1, entropy=True)
     per_chunk = max(1, s.batch_size // s.n) * 4  # fixed chunk boundaries keep resumed evals reproducible
-    done = {r["i"] for r in ed.read_samples(label)}
+    done = {r["i"] for r in ed.repair(label)}
     workers = cfg.score_workers or os.cpu_count() or 1
     tokens, gen_s = 0, 0.0
     bar = tqdm(total=len(exs), initial=len(done), desc=label, unit="prob", disable=not progress, dynamic_ncols=True)
@@ -219,8 +231,10 @@ def _sample(g: Any, verdict: str, key: str | None) -> dict[str, Any]:
     return {"text": g.text, "n_tokens": g.n_tokens, "entropy": g.entropy, "verdict": verdict, "key": key}
 
 
-def rescore(cfg: EvalConfig, et: EvalTask, ed: EvalDir) -> None:
-    """Re-run the verifier over saved responses (after a verifier fix), rewriting the samples file."""
+def rescore(cfg: EvalConfig, et: EvalTask, ed: EvalDir) -> list[dict[str, Any]]:
+    """Re-run the verifier over saved responses (after a verifier fix); returns the re-scored rows.
+
+    The samples file stays as generation left it: the new verdicts go into the tables only."""
     from esbatch.tasks import TASKS
     from esbatch.tasks.base import Example
 
@@ -242,10 +256,7 @@ def rescore(cfg: EvalConfig, et: EvalTask, ed: EvalDir) -> None:
         target["verdict"], target["key"] = v, k
         if f1 is not None and m != -1:
             target["f1"] = f1[j]
-    f = ed.sample_file(label)
-    tmp = f.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, f)
+    return rows
 
 
 # ----------------------------------------------------------------------------- metrics and tables
@@ -321,11 +332,14 @@ def write_tables(ed: EvalDir, results: dict[str, dict[str, float]], cols: list[s
     (ed.path / "table.md").write_text("\n".join(lines) + "\n")
 
 
-def summarize(cfg: EvalConfig, ed: EvalDir, source: str = "") -> dict[str, Any]:
+def summarize(
+    cfg: EvalConfig, ed: EvalDir, source: str = "", rescored: dict[str, list[dict[str, Any]]] | None = None
+) -> dict[str, Any]:
+    """Tables, Pass@K curve and metrics.json from the samples (or from ``rescored`` rows, by label)."""
     results, curves = {}, {}
     for et in cfg.task_list():
         label = et.label or et.name
-        rows = ed.read_samples(label)
+        rows = rescored[label] if rescored is not None else ed.read_samples(label)
         if rows:
             results[label] = task_metrics(rows, cfg.ks)
             curves[label] = passk_curve(rows)
@@ -345,15 +359,16 @@ def summarize(cfg: EvalConfig, ed: EvalDir, source: str = "") -> dict[str, Any]:
 
 def evaluate(cfg: EvalConfig, *, progress: bool = True, recompute: bool = False) -> dict[str, Any]:
     """Run (or continue, or only re-score) an eval; logs to MLflow; returns the summary."""
+    src = resolve_weights(cfg)  # a missing or damaged checkpoint is named before anything is written
     ed = EvalDir(Path(cfg.output_dir) / cfg.name)
     ed.path.mkdir(parents=True, exist_ok=True)
-    ed.config.write_text(_yaml(cfg.to_dict()))
-    src = resolve_weights(cfg)
+    if not recompute:  # --recompute reads the folder's own config and leaves its inputs as they are
+        ed.config.write_text(_yaml(cfg.to_dict()))
     throughput: dict[str, dict[str, float]] = {}
+    rescored = None
     t0 = time.perf_counter()
     if recompute:
-        for et in cfg.task_list():
-            rescore(cfg, et, ed)
+        rescored = {et.label or et.name: rescore(cfg, et, ed) for et in cfg.task_list()}
     else:
         if cfg.threads:
             import torch
@@ -362,7 +377,7 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, recompute: bool = False)
         gen = build_generator(cfg, src)
         for et in cfg.task_list():
             throughput[et.label or et.name] = run_task(cfg, et, gen, ed, progress)
-    summary = summarize(cfg, ed, src.description)
+    summary = summarize(cfg, ed, src.description, rescored)
     tok = sum(t["tokens"] for t in throughput.values())
     gs = sum(t["generation_s"] for t in throughput.values())
     summary.update(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from esbatch.train.rundir import RunDir
+from esbatch.train.rundir import RunDir, RunFolderError
 
 # Scheduler states (SLURM's words) that mean "still queued or running": such runs are never resubmitted.
 ACTIVE_STATES = {
@@ -66,7 +66,23 @@ class SweepDir:
             os.replace(tmp, self.meta_path)
 
     def read(self) -> dict[str, Any]:
-        return json.loads(self.meta_path.read_text()) if self.meta_path.exists() else {}
+        if not self.meta_path.exists():
+            return {}
+        try:
+            meta = json.loads(self.meta_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            meta, why = None, str(e)
+        else:
+            why = f"expected a JSON object, got {type(meta).__name__}"
+        if not isinstance(meta, dict) or not isinstance(meta.get("runs", []), list):
+            why = why if not isinstance(meta, dict) else "its 'runs' is not a list"
+            raise RunFolderError(
+                f"{self.meta_path}: not a valid sweep record ({why}). Move it aside (mv {self.meta_path} "
+                f"{self.meta_path}.damaged) and submit the sweep file again: the plan is rewritten and the run "
+                f"folders in {self.runs} are kept and resumed (jobs it had queued are no longer tracked: cancel "
+                "them first)."
+            )
+        return meta
 
     def run_dir(self, key: str) -> RunDir:
         return RunDir(self.runs / key)
@@ -112,7 +128,7 @@ class SweepDir:
 class RunState:
     key: str
     label: str
-    state: str  # pending | queued | running | finished | killed | failed | interrupted
+    state: str  # pending | queued | running | finished | killed | failed | interrupted | damaged
     done: int  # updates done
     total: int | None
     last_reward: float | None
@@ -135,7 +151,10 @@ def disk_state(rd: RunDir, plan: Any) -> tuple[str, int, int | None, float | Non
     """(state, updates done, total, last mean reward, last held-out accuracy) from a run folder alone."""
     if not rd.exists():
         return "pending", 0, planned_total(plan, {}), None, None
-    meta = rd.read_meta()
+    try:
+        meta = rd.read_meta()
+    except RunFolderError:  # named by `esbatch sweep` (which does not resubmit it) and by `esbatch train --resume`
+        return "damaged", 0, planned_total(plan, {}), None, None
     done = rd.progress()
     total = planned_total(plan, meta)
     status = meta.get("status", "running")

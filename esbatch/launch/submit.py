@@ -13,12 +13,13 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from esbatch.config.launcher import mem_mb
 from esbatch.launch.base import LAUNCHERS, launcher_for
 from esbatch.launch.state import RunState, SweepDir, combine, disk_state, now
 from esbatch.launch.sweep import Sweep
-from esbatch.train.rundir import RunDir
+from esbatch.train.rundir import RunDir, RunFolderError
 
-DONE_OR_ACTIVE = {"finished", "queued", "running"}
+DONE_OR_ACTIVE = {"finished", "queued", "running", "damaged"}  # not submitted (damaged: said why, left alone)
 
 
 def write_plan(sweep: Sweep) -> SweepDir:
@@ -46,6 +47,7 @@ def write_plan(sweep: Sweep) -> SweepDir:
             tracking_uri=sweep.tracking_uri,
             experiment=sweep.experiment,
             aggregate=sweep.aggregate_raw,
+            mem_request_mb=mem_mb(sweep.profile.mem),
             runs=[{"key": r.key, "label": r.label, "index": r.index, "point": r.point} for r in sweep.runs],
         )
         meta.setdefault("submissions", [])
@@ -92,6 +94,28 @@ def run_states(sd: SweepDir, query_scheduler: bool = True) -> list[RunState]:
         if job is None and r["key"] in newest and newest[r["key"]].get("kind") != "local":
             job = _job_label(newest[r["key"]])
         out.append(RunState(r["key"], r["label"], combine(disk, state), done, total, reward, heldout, job, state))
+    return out
+
+
+def memory_warnings(sd: SweepDir, margin: float = 0.10) -> list[str]:
+    """Runs whose peak memory (run.json) came within ``margin`` of the profile's request, or went over it:
+    a cluster that enforces --mem kills such runs, or will at the next peak."""
+    meta = sd.read()
+    request = meta.get("mem_request_mb")
+    if not request:
+        return []
+    out = []
+    for r in meta.get("runs", []):
+        try:
+            peak = sd.run_dir(r["key"]).read_meta().get("peak_rss_mb")
+        except RunFolderError:
+            continue
+        if peak is not None and peak >= (1 - margin) * request:
+            over = "over" if peak > request else f"within {100 * (request - peak) / request:.0f}% of"
+            out.append(
+                f"{r['key']} ({r['label']}): peak memory {peak:.0f} MB is {over} the {request} MB requested (mem: "
+                f"in the launcher profile {meta.get('launcher')}); raise it, or the cluster may kill the run"
+            )
     return out
 
 
@@ -164,6 +188,14 @@ def follow(
         bar.close()
 
 
+def _damage(rd: Any) -> str:
+    try:
+        rd.read_meta()
+    except RunFolderError as e:
+        return str(e)
+    return f"{rd.path}: damaged"
+
+
 def dry_run(sweep: Sweep, out: Any) -> int:
     sd = SweepDir(sweep.dir)
     existing = {s.key: s for s in run_states(sd)} if sd.exists() else {}
@@ -188,6 +220,9 @@ def submit_sweep(sweep: Sweep, *, wait: bool = False, out: Any = None) -> int:
     print(f"sweep {sweep.name}: {len(sweep.runs)} runs in {sd.path}", file=out)
     if skipped:
         print("  skipping " + ", ".join(f"{n} {k}" for k, n in sorted(skipped.items())), file=out)
+    for r in sweep.runs:
+        if states[r.key].state == "damaged":
+            print(f"  damaged, not resubmitted: {_damage(sd.run_dir(r.key))}", file=out)
     if not todo:
         print("  nothing to submit.", file=out)
         return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,14 @@ def load_sweep(
     spec = build(SweepFile, raw, "", errors) or SweepFile(name="sweep")  # keep going: report every problem
     base_data = _base(spec, path, overrides, errors)
     axes = _axes(spec, errors)
+    n_runs = math.prod(len(a) for a in axes)
+    if n_runs > spec.max_runs:  # counted before a single run is built: a 10^6-point grid is refused at once
+        sizes = " x ".join(str(len(a)) for a in axes)
+        errors.append(
+            f"grid: expands to {n_runs} runs ({sizes}), more than max_runs: {spec.max_runs}; check the grid, or set "
+            f"max_runs: {n_runs} in the sweep file if you mean it"
+        )
+        axes = []
     launcher_name = launcher or spec.launcher or "local"
     try:
         profile = load_profile(str(launcher_name), spec.launcher_overrides)

@@ -4,7 +4,7 @@ from esbatch.registry import Registry
 from esbatch.tasks.base import SYSTEM_PROMPTS, Example, Task
 from esbatch.tasks.verify import Verdict
 
-TASKS: Registry[type[Task]] = Registry("task")
+TASKS: Registry[type[Task]] = Registry("task", expect=Task)
 TASKS.register("gsm8k", "esbatch.tasks.gsm8k:GSM8KTask", help="GSM8K math word problems (hub or local file)")
 TASKS.register("arithmetic", "esbatch.tasks.gym:ArithmeticTask", help="integer arithmetic, offline (reasoning-gym)")
 TASKS.register("chain_sum", "esbatch.tasks.gym:ChainSumTask", help="+ and - over 3-4 numbers, offline (reasoning-gym)")

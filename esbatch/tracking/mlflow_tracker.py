@@ -12,6 +12,7 @@ import fcntl
 import os
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,13 @@ class MLflowTracker:
         from mlflow.entities import Param, RunTag
 
         with self._lock():
+            if run_id is not None and not self._known(run_id):
+                print(
+                    f"warning: MLflow run {run_id} is not in {self.uri} (a moved run folder or another store); "
+                    "logging the resumed run as a new MLflow run",
+                    file=sys.stderr,
+                )
+                run_id = None
             if run_id is not None:
                 self.run_id = run_id
                 self.client.update_run(run_id, status="RUNNING")
@@ -100,6 +108,15 @@ class MLflowTracker:
             for i in range(0, len(items), 100):
                 self.client.log_batch(self.run_id, params=items[i : i + 100])
         return self.run_id
+
+    def _known(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+        except MlflowException:
+            return False
+        return True
 
     def _lock(self) -> contextlib.AbstractContextManager[None]:
         """Writers to one sqlite file take turns (many array tasks may log at once); servers need no lock."""

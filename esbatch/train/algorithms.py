@@ -78,7 +78,7 @@ class Algorithm:
         raise NotImplementedError(f"algorithm {cls.name!r} has no update loop; it overrides run()")
 
 
-ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm")
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", expect=Algorithm)
 ALGORITHMS.register("es", "esbatch.es:ES", help="full-parameter Evolution Strategies (paper App. G.1)")
 ALGORITHMS.register("grpo", "esbatch.grpo:GRPO", help="GRPO on DeepSpeed (paper Section 2.2)")
 ALGORITHMS.register("pipeline", "esbatch.pipeline:Pipeline", help="stages run one after another (es->grpo, ...)")

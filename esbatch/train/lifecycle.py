@@ -13,7 +13,9 @@ so ES and GRPO share the same resume, logging and stop behaviour. Rank 0 writes;
 
 from __future__ import annotations
 
+import os
 import resource
+import socket
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -97,8 +99,11 @@ class RunSession:
         ranks: Ranks | None = None,
         run_name: str | None = None,
         tags: dict[str, str] | None = None,
+        logs_updates: bool = True,
     ) -> None:
-        self.cfg, self.rd, self.resume = cfg, RunDir(run_dir), resume
+        """``logs_updates``: the folder holds this run's own log.jsonl (False for a pipeline's root, whose
+        stages keep the logs), so resume cross-checks it against the checkpoints first."""
+        self.cfg, self.rd, self.resume, self.logs_updates = cfg, RunDir(run_dir), resume, logs_updates
         self.ranks = ranks or Ranks()
         self.lead = self.ranks.lead
         self.run_name, self.tags = run_name or cfg.run.name, dict(tags or {})
@@ -111,7 +116,10 @@ class RunSession:
     # ---------------------------------------------------------------- opening and closing
     def __enter__(self) -> RunSession:
         rd = self.rd
-        if rd.exists() and not self.resume:
+        retry = rd.exists() and not self.resume and rd.never_updated()
+        if retry:
+            self._check_not_running()
+        elif rd.exists() and not self.resume:
             raise FileExistsError(
                 f"{rd.path} already holds a run. Resume it with `esbatch train --resume {rd.path}`, "
                 f"or pick another name with --set run.name=..."
@@ -123,13 +131,21 @@ class RunSession:
             )
         if self.resume and not rd.exists():
             raise FileNotFoundError(f"{rd.path}: no run to resume here (no {RunDir.CONFIG})")
+        if self.resume:
+            rd.read_meta()  # a damaged run.json is named now, not after the model has loaded
+            if self.logs_updates:
+                rd.check_resume()  # every rank reads the same files: all refuse together, before anything is cut
         self.ranks.barrier()  # every rank has looked before rank 0 writes
         if self.lead:
             rd.path.mkdir(parents=True, exist_ok=True)
+            if retry:  # failed before its first update: start over (its MLflow run stays, marked FAILED)
+                rd.meta.unlink(missing_ok=True)
+                rd.eval_log.unlink(missing_ok=True)
+                rd.log.unlink(missing_ok=True)
             if not self.resume:
                 rd.config.write_text(self.cfg.to_yaml())
             else:
-                rd.repair_log()
+                rd.repair_log()  # only a torn last line is left to cut: check_resume refused anything else
         self.ranks.barrier()  # rank 0 has written the folder; every rank reads the same records
         if self.cfg.run.threads:
             import torch
@@ -161,6 +177,8 @@ class RunSession:
             algorithm=cfg.algorithm,
             total_updates=total,
             status="running",
+            host=socket.gethostname(),
+            pid=os.getpid(),
             **meta,
         )
         if previous is None:
@@ -178,6 +196,19 @@ class RunSession:
             self.tracker.end(self.status)
         self.ranks.close(ok=self.status == "FINISHED")
 
+    def _check_not_running(self) -> None:
+        """Refuse to restart a never-updated run that a live process on this host is still setting up."""
+        meta = self.rd.read_meta()
+        pid, host = meta.get("pid"), meta.get("host")
+        if meta.get("status") == "running" and host == socket.gethostname() and isinstance(pid, int):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            except PermissionError:
+                pass
+            raise FileExistsError(f"{self.rd.path}: the run is starting in process {pid} on this host; wait for it")
+
     # ---------------------------------------------------------------- during the run
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.tracker.log_metrics(metrics, step=step)
@@ -188,7 +219,9 @@ class RunSession:
             return
         self.rd.append_update(rec)
         self.log({**rec["metrics"], "memory/peak_rss_mb": peak_rss_mb()}, rec["t"] + 1)
-        self.rd.write_meta(done=rec["t"] + 1, last_reward=rec["metrics"].get("reward/mean"))
+        self.rd.write_meta(
+            done=rec["t"] + 1, last_reward=rec["metrics"].get("reward/mean"), peak_rss_mb=round(peak_rss_mb(), 1)
+        )
 
     def record_eval(self, t: int, scores: dict[str, float]) -> None:
         self.rd.append_eval({"t": t, **scores})

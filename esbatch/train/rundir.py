@@ -10,19 +10,36 @@
     task.log              a sweep task's output (local launcher)
     mlflow.db             offline tracking: this run's private MLflow store
 
-Every file name is spelled here once. Readers (status, plot, aggregate) never change a file; only a
-resuming trainer cuts a torn last line (``repair_log``).
+Every file name is spelled here once. Readers (status, plot, aggregate) never change a file. Resume
+refuses to guess (``check_resume``): it accepts a torn last line (an update whose write a kill cut short,
+not yet applied: redone once) and nothing else that does not add up; only then does the trainer cut the
+torn line (``repair_log``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported lazily: `esbatch status` reads run folders without it
     import torch
+
+
+class RunFolderError(Exception):
+    """A run folder whose files do not add up; the message names the file and says what to do."""
+
+
+@dataclass
+class ResumePoint:
+    """What a run folder holds, checked to be consistent: the updates logged and the checkpoint's update."""
+
+    records: list[dict[str, Any]]
+    torn: bool  # log.jsonl ended in a torn line: that update is redone
+    center_t: int | None
+    ds_step: int | None
 
 
 class RunDir:
@@ -96,9 +113,89 @@ class RunDir:
     def updates(self) -> list[dict[str, Any]]:
         recs, _ = self._read(self.log)
         for i, r in enumerate(recs):
-            if r["t"] != i:
-                raise RuntimeError(f"{self.log}: line {i + 1} is update {r['t']}, expected {i}; the log is corrupt")
+            if not isinstance(r, dict) or r.get("t") != i:
+                got = r.get("t") if isinstance(r, dict) else r
+                raise RunFolderError(f"{self.log}: line {i + 1} is update {got!r}, expected {i}; the log is corrupt")
         return recs
+
+    @staticmethod
+    def _scan_strict(path: Path, what: str) -> tuple[list[dict[str, Any]], bool]:
+        """(records, torn): every line must be a JSON object except a last line without its newline."""
+        if not path.exists():
+            return [], False
+        data = path.read_bytes()
+        lines = data.split(b"\n")
+        torn = lines[-1] != b""  # the last write was cut short (a kill mid-append): not yet applied
+        body = lines[:-1]
+        out = []
+        for i, line in enumerate(body, 1):
+            try:
+                rec = json.loads(line)
+                ok = isinstance(rec, dict) and isinstance(rec.get("t"), int)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                ok = False
+            if not ok:
+                raise RunFolderError(
+                    f"{path}: line {i} of {len(body)} is not a complete {what} record, and "
+                    f"{len(body) - i} complete line(s) follow it, so it is not a write a kill cut short: "
+                    "resume will not guess which updates the weights include. Restore the file from a backup, "
+                    f"or keep the {i - 1} line(s) before it (head -n {i - 1} {path} > {path}.fixed && mv "
+                    f"{path}.fixed {path}) and resume again."
+                )
+            out.append(rec)
+        return out, torn
+
+    def check_resume(self) -> ResumePoint:
+        """Read and cross-check the log, the held-out log and the checkpoints; raise RunFolderError if they
+        disagree. Reads only."""
+        recs, torn = self._scan_strict(self.log, "update")
+        for i, r in enumerate(recs):
+            if r["t"] != i:
+                raise RunFolderError(
+                    f"{self.log}: line {i + 1} is update {r['t']}, expected {i}: lines are missing or out of "
+                    "order. Restore the file from a backup; resume will not guess which updates were applied."
+                )
+        self._scan_strict(self.eval_log, "held-out")
+        center_t, ds_step = self.center_t(), self.ds_step()
+        ckpt = max((x for x in (center_t, ds_step) if x is not None), default=None)
+        if center_t == ckpt:
+            what = f"{self.center} holds update {center_t}"
+        else:
+            what = f"{self.ds_checkpoint} is at step {ds_step}"
+        if ckpt and not self.log.exists():
+            raise RunFolderError(
+                f"{self.log} is missing next to a checkpoint ({what}): without the log resume cannot tell which "
+                f"updates the weights include, and would apply them again. Restore {self.log.name} from a backup; "
+                "or start a new run (the checkpoint stays usable for `esbatch eval`)."
+            )
+        if ckpt is not None and ckpt > len(recs):
+            lost = " and its last line is torn" if torn else ""
+            raise RunFolderError(
+                f"{what}, but {self.log} records only {len(recs)} complete update(s){lost}: the checkpoint is ahead "
+                "of the log, so resuming would apply logged-away updates twice. Restore the log from a backup; or "
+                f"move the checkpoint aside (mv {self.center} {self.center}.ahead; GRPO: also "
+                f"{self.ds_checkpoint}) and resume: ES replays the {len(recs)} logged updates from the base model "
+                "bit for bit, GRPO restarts from its base model."
+            )
+        return ResumePoint(recs, torn, center_t, ds_step)
+
+    def ds_step(self) -> int | None:
+        """The step of GRPO's newest DeepSpeed checkpoint (its `latest` tag "step<t>"), None without one."""
+        latest = self.ds_checkpoint / "latest"
+        if not latest.exists():
+            return None
+        tag = latest.read_text().strip()
+        if not tag.startswith("step") or not tag[4:].isdigit():
+            raise RunFolderError(f"{latest}: expected a tag like step12, got {tag[:40]!r}; the checkpoint is damaged")
+        return int(tag[4:])
+
+    def never_updated(self) -> bool:
+        """A run that failed before its first update: nothing to lose by starting it over."""
+        stages = any(self.path.glob("stage*-*"))  # a pipeline that has begun a stage
+        return not (self.updates_logged() or self.center.exists() or self.ds_checkpoint.exists() or stages)
+
+    def updates_logged(self) -> bool:
+        return self.log.exists() and self.log.stat().st_size > 0
 
     def repair_log(self) -> None:
         """Cut a torn last line of the logs (a writer killed mid-line) so appends stay valid JSONL; trainers only."""
@@ -148,24 +245,53 @@ class RunDir:
     def load_center(self) -> tuple[dict[str, torch.Tensor], int] | None:
         if not self.center.exists():
             return None
-        from safetensors import safe_open
-
-        with safe_open(str(self.center), framework="pt") as f:
-            t = int(f.metadata()["t"])
-            return {k: f.get_tensor(k) for k in f.keys()}, t
+        with self._open_center() as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, self._t_of(f)
 
     def center_t(self) -> int | None:
         """The update the saved center belongs to (reads the header only), None without a center."""
         if not self.center.exists():
             return None
+        with self._open_center() as f:
+            return self._t_of(f)
+
+    def _open_center(self) -> Any:
         from safetensors import safe_open
 
-        with safe_open(str(self.center), framework="pt") as f:
-            return int(f.metadata()["t"])
+        try:
+            return safe_open(str(self.center), framework="pt")
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
+            raise RunFolderError(self._damaged(f"cannot be read ({type(e).__name__}: {e})")) from None
+
+    def _t_of(self, f: Any) -> int:
+        t = (f.metadata() or {}).get("t", "")
+        if not t.isdigit():
+            raise RunFolderError(self._damaged(f"its metadata holds no update number (t={t!r})"))
+        return int(t)
+
+    def _damaged(self, why: str) -> str:
+        return (
+            f"{self.center}: {why}; the file is damaged (truncated, empty or not a safetensors file). Move it aside "
+            f"(mv {self.center} {self.center}.damaged) and resume: ES replays every logged update from the base "
+            "model bit for bit; GRPO restores from its DeepSpeed checkpoint."
+        )
 
     # ---------------------------------------------------------------- metadata
     def read_meta(self) -> dict[str, Any]:
-        return json.loads(self.meta.read_text()) if self.meta.exists() else {}
+        if not self.meta.exists():
+            return {}
+        try:
+            meta = json.loads(self.meta.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            meta, why = None, str(e)
+        else:
+            why = f"expected a JSON object, got {type(meta).__name__}"
+        if not isinstance(meta, dict):
+            raise RunFolderError(
+                f"{self.meta}: not valid run metadata ({why}). It holds the run's status and MLflow run id; "
+                f"restore it from a backup, or delete it and resume (the run then opens a new MLflow run)."
+            )
+        return meta
 
     def write_meta(self, **fields: Any) -> None:
         meta = {**self.read_meta(), **fields}

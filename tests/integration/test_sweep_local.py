@@ -99,3 +99,20 @@ def test_interrupted_local_sweep_resumes_without_duplicates(tmp_path, tiny_model
     # and a third call finds everything done
     p = run_cli("sweep", str(path))
     assert "skipping 2 finished" in p.stdout and "nothing to submit" in p.stdout
+
+    # read-only commands on damaged run folders change no byte of them, and a damaged run.json is named
+    one, two = sorted((sweep_dir / "runs").iterdir())
+    with open(one / "eval.jsonl", "ab") as f:
+        f.write(b'{"t": 9, "heldout/acc')  # a torn tail
+    lines = (one / "log.jsonl").read_bytes().splitlines(keepends=True)
+    (one / "log.jsonl").write_bytes(lines[0] + b"not json\n" + b"".join(lines[2:]))  # a corrupt middle line
+    (two / "run.json").write_text("{")
+    before = {p: p.read_bytes() for d in (one, two) for p in sorted(d.rglob("*")) if p.is_file()}
+    status = run_cli("status", str(sweep_dir))
+    assert status.returncode == 0 and "damaged" in status.stdout, status.stdout + status.stderr
+    assert run_cli("aggregate", str(sweep_dir)).returncode == 0
+    assert run_cli("plot", str(one), "-o", str(tmp_path / "curves.png")).returncode == 0
+    assert run_cli("ls").returncode == 0
+    p = run_cli("sweep", str(path))
+    assert "damaged, not resubmitted" in p.stdout and f"{two / 'run.json'}: not valid run metadata" in p.stdout
+    assert {p: p.read_bytes() for p in before} == before

@@ -103,7 +103,7 @@ def test_validate_cli_exit_codes(tmp_path, capsys):
     good.write_text(yaml.safe_dump(BASE))
     bad.write_text(yaml.safe_dump({"es": {"sigma": -1, "updates": 3}}))
     assert main(["validate", str(good)]) == 0
-    assert main(["validate", str(good), str(bad)]) == 1
+    assert main(["validate", str(good), str(bad)]) == 2
     err = capsys.readouterr().err
     assert str(bad) in err and "es.sigma: must be > 0" in err
     assert main(["validate", "--schema"]) == 0

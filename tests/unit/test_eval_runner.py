@@ -67,8 +67,12 @@ def test_a_killed_eval_resumes_and_recompute_does_not_generate(tmp_path, tiny_mo
 
     # re-scoring reads the saved texts: no model is even loaded
     monkeypatch.setattr(runner, "build_generator", lambda *a, **k: pytest.fail("recompute must not generate"))
+    inputs = {p: p.read_bytes() for p in (f, ed.config)}
+    f.write_bytes(full.encode() + b'{"i": 6, "torn')  # a torn tail: --recompute reads past it, never cuts it
+    inputs[f] = f.read_bytes()
     s = evaluate(eval_config_from_dict(d), progress=False, recompute=True)
     assert s["tasks"]["toy:DigitTask"]["problems"] == 6
+    assert {p: p.read_bytes() for p in inputs} == inputs  # samples and config: not a byte changed
 
 
 def test_checkpoint_eval_is_nested_under_the_training_run(tmp_path, tiny_model_dir):
