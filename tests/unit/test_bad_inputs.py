@@ -102,7 +102,10 @@ CASES = [
     ("sweep-named-dotdot", lambda t, m: ["sweep", sweep(t), "--name", "..", "--dry-run"], ["name: got '..'"]),
     (
         "sweep-of-a-million-runs",
-        lambda t, m: ["sweep", sweep(t, grid={"run.seed": list(range(100)), "es.sigma": [0.1] * 100, "es.alpha": [0.1] * 100})],
+        lambda t, m: [
+            "sweep",
+            sweep(t, grid={"run.seed": list(range(100)), "es.sigma": [0.1] * 100, "es.alpha": [0.1] * 100}),
+        ],
         ["expands to 1000000 runs (100 x 100 x 100)", "max_runs: 1000"],
     ),
     (
@@ -145,7 +148,9 @@ def test_bad_input_is_one_clear_error_with_exit_code_2(tmp_path, tiny_model_dir,
     for w in words:
         assert w in err, err
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
-    assert after == {p: b for p, b in before.items() if "__pycache__" not in p.parts}  # nothing written, nothing changed
+    assert after == {
+        p: b for p, b in before.items() if "__pycache__" not in p.parts
+    }  # nothing written, nothing changed
 
 
 def test_1e_minus_3_is_a_float(tmp_path, capsys):

@@ -18,7 +18,9 @@ def _keys(cls) -> list[str]:
     out = []
     for f in dataclasses.fields(cls):
         out.append(f.name)
-        if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.default_factory is not dataclasses.MISSING):
+        if dataclasses.is_dataclass(f.type) or (
+            isinstance(f.type, str) and f.default_factory is not dataclasses.MISSING
+        ):
             try:
                 out += [f"{f.name}.{k}" for k in _keys(type(f.default_factory()))]
             except TypeError:
@@ -38,7 +40,8 @@ scalars = st.one_of(
 values = st.recursive(
     scalars,
     lambda inner: st.one_of(
-        st.lists(inner, max_size=4), st.dictionaries(st.one_of(st.sampled_from(KEYS), st.text(max_size=6)), inner, max_size=4)
+        st.lists(inner, max_size=4),
+        st.dictionaries(st.one_of(st.sampled_from(KEYS), st.text(max_size=6)), inner, max_size=4),
     ),
     max_leaves=12,
 )
@@ -58,7 +61,9 @@ def nest(flat: dict) -> dict:
 documents = st.one_of(
     st.dictionaries(st.sampled_from(KEYS), values, max_size=8).map(nest),
     values,
-    st.builds(lambda d: {"name": "fz", "base": "quickstart", **d}, st.dictionaries(st.sampled_from(KEYS), values, max_size=4)),
+    st.builds(
+        lambda d: {"name": "fz", "base": "quickstart", **d}, st.dictionaries(st.sampled_from(KEYS), values, max_size=4)
+    ),
 )
 
 
