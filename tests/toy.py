@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from esbatch.tasks.base import Example, Task, disjoint_splits
@@ -117,6 +118,23 @@ class DigitTask(Task):
         if ex.answer in response:
             return Verdict.CORRECT
         return Verdict.WRONG if any(c.isdigit() for c in response) else Verdict.MISSING
+
+
+class HangingDigitTask(DigitTask):
+    """DigitTask whose scorer never returns once, to test the watchdog: the ``hang_after``-th call to score
+    (counted per process) on rank ``rank`` blocks forever if the file ``marker`` exists, and deletes it first,
+    so the resumed run does not hang again."""
+
+    def __init__(self, data_path=None, *, size=40, marker="", hang_after=0, rank="0"):
+        super().__init__(data_path, size=size)
+        self.marker, self.hang_after, self.rank, self.calls = marker, hang_after, str(rank), 0
+
+    def score(self, response, ex):
+        self.calls += 1
+        if self.calls > self.hang_after and os.environ.get("RANK", "0") == self.rank and os.path.exists(self.marker):
+            os.remove(self.marker)
+            threading.Event().wait()  # never returns
+        return super().score(response, ex)
 
 
 def fuse(hf_state):

@@ -83,8 +83,11 @@ class VLLMBackend(ESBackend):
         cuda_graphs: bool = True,
         seed: int = 0,
         track_drift: bool = True,
+        rpc_timeout_s: float | None = None,
     ) -> None:
+        """``rpc_timeout_s``: an engine that does not answer a weight-move RPC in time raises (run.hang_timeout_s)."""
         vllm = _import_vllm()
+        self.rpc_timeout_s = rpc_timeout_s
         from transformers import AutoTokenizer
 
         self.model_dir, self.dtype = model_dir, dtype
@@ -142,6 +145,7 @@ class VLLMBackend(ESBackend):
             cuda_graphs=b.cuda_graphs,
             seed=cfg.run.seed,
             track_drift=cfg.tracking.drift,
+            rpc_timeout_s=cfg.run.hang_timeout_s,
         )
         if m.init_weights:
             from safetensors.torch import load_file
@@ -151,7 +155,8 @@ class VLLMBackend(ESBackend):
 
     # ---------------------------------------------------------------- rpc plumbing
     def _rpc(self, e: int, method: str, *args: Any) -> dict[str, Any]:
-        (res,) = self.engines[e].collective_rpc(method, args=args)  # one worker per engine (no tensor parallel)
+        # one worker per engine (no tensor parallel); a worker that never answers raises after the timeout
+        (res,) = self.engines[e].collective_rpc(method, timeout=self.rpc_timeout_s, args=args)
         if "error" in res:
             raise RuntimeError(f"vLLM engine {e}: {method} failed in the worker:\n{res['error']}")
         if method in ("es_perturb", "es_restore", "es_update", "es_load") and self.prefix_caching:

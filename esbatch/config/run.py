@@ -20,6 +20,7 @@ from esbatch.config.schema import ConfigError, Schema, build, deep_merge, flatte
 
 # What a resumed run may change: budgets and bookkeeping, never what the logged updates depend on.
 RESUME_OVERRIDABLE = {
+    "run.hang_timeout_s",
     "es.updates",
     "es.epochs",
     "grpo.updates",
@@ -48,6 +49,13 @@ class RunConfig:
         "Processes on this node; torchrun is started for > 1. ES: the population is split over them (only "
         "rewards are exchanged). GRPO: data-parallel ranks.",
         ge=1,
+    )
+    hang_timeout_s: float = setting(
+        3600.0,
+        "Longest any one phase of an update (generation and scoring, a collective, a checkpoint, a held-out "
+        "evaluation) may take before the run is declared hung and ends with exit code 75 (resumable). Set it "
+        "well above your slowest update; loading the model is not timed.",
+        gt=0,
     )
 
 

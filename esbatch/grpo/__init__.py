@@ -18,8 +18,9 @@ class GRPO(Algorithm):
         """DeepSpeed's process group (gloo on CPU, NCCL on GPU), also for a single process."""
         from esbatch.grpo.trainer import init_distributed
         from esbatch.models import resolve_device
+        from esbatch.train.ranks import collective_timeout_min
 
-        return init_distributed(resolve_device(cfg.model.device))
+        return init_distributed(resolve_device(cfg.model.device), collective_timeout_min(cfg))
 
     @classmethod
     def trainer(cls, cfg: Any, session: Any) -> Trainer:

@@ -20,6 +20,7 @@ import hashlib
 import os
 import socket
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from esbatch.train.rundir import RunDir
 from esbatch.train.schedule import batch_indices
 
 
-def init_distributed(device: str) -> Ranks:
+def init_distributed(device: str, timeout_min: float = 30.0) -> Ranks:
     """This process's rank in DeepSpeed's process group; one process without a launcher gets the env
     DeepSpeed expects (it looks for mpi4py otherwise)."""
     import deepspeed
@@ -46,8 +47,10 @@ def init_distributed(device: str) -> Ranks:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if device.startswith("cuda") else "gloo")
-    return joined("gloo")
+        deepspeed.init_distributed(
+            dist_backend="nccl" if device.startswith("cuda") else "gloo", timeout=timedelta(minutes=timeout_min)
+        )
+    return joined("gloo", timeout_min)
 
 
 def ds_config(cfg: Any, world: int, on_gpu: bool) -> dict[str, Any]:

@@ -48,6 +48,7 @@ def write_plan(sweep: Sweep) -> SweepDir:
             experiment=sweep.experiment,
             aggregate=sweep.aggregate_raw,
             mem_request_mb=mem_mb(sweep.profile.mem),
+            max_requeues=sweep.profile.max_requeues,
             runs=[{"key": r.key, "label": r.label, "index": r.index, "point": r.point} for r in sweep.runs],
         )
         meta.setdefault("submissions", [])

@@ -18,7 +18,7 @@ from typing import Any
 from submitit.helpers import Checkpointable
 
 from esbatch.launch.state import SweepDir
-from esbatch.train import stop
+from esbatch.train import stop, watchdog
 
 
 def slurm_tags() -> dict[str, str]:
@@ -92,6 +92,8 @@ class SweepTask(Checkpointable):
     def __call__(self, key: str) -> dict[str, Any]:
         requeue = signal.getsignal(signal.SIGUSR2)  # submitit's checkpoint-and-requeue handler
         stop.install((signal.SIGTERM, signal.SIGINT, signal.SIGUSR2))
+        if callable(requeue):
+            watchdog.before_exit(lambda what: requeue_after_hang(SweepDir(self.sweep_dir), key, requeue))
         try:
             summary = run_task(self.sweep_dir, key)
         except stop.Stopped:
@@ -99,6 +101,21 @@ class SweepTask(Checkpointable):
                 requeue(signal.SIGUSR2, None)  # the run stopped cleanly: now checkpoint, requeue and exit
             raise
         return {k: summary.get(k) for k in ("run_dir", "updates", "mlflow_run_id", "wall_s")}
+
+
+def requeue_after_hang(sd: SweepDir, key: str, requeue: Any) -> None:
+    """A hung run (esbatch/train/watchdog.py) requeues its task through submitit, at most the launcher
+    profile's max_requeues times per run (counted in run.json), so a run that hangs every time ends failed."""
+    if os.environ.get("RANK", "0") != "0":
+        return  # rank 0 requeues the job; the others just exit
+    rd = sd.run_dir(key)
+    n, limit = int(rd.read_meta().get("hang_requeues", 0)), int(sd.read().get("max_requeues", 3))
+    if n >= limit:
+        print(f"esbatch: run {key} hung {n + 1} times; not requeued (max_requeues: {limit})", file=sys.stderr)
+        return
+    rd.write_meta(hang_requeues=n + 1, status="interrupted")
+    print(f"esbatch: requeueing the task after the hang ({n + 1} of at most {limit})", file=sys.stderr, flush=True)
+    requeue(signal.SIGUSR2, None)  # checkpoint, `scontrol requeue`, then SystemExit
 
 
 class CLIJob:

@@ -69,9 +69,9 @@ class Algorithm:
     @classmethod
     def join_ranks(cls, cfg: Any) -> Any:
         """This process's rank and the world size (a world of one unless started by torchrun or SLURM)."""
-        from esbatch.train.ranks import init_ranks
+        from esbatch.train.ranks import collective_timeout_min, init_ranks
 
-        return init_ranks()
+        return init_ranks(collective_timeout_min(cfg))
 
     @classmethod
     def trainer(cls, cfg: Any, session: Any) -> Any:

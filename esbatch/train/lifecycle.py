@@ -25,6 +25,7 @@ from esbatch.tracking import default_tracking_uri
 from esbatch.train import stop
 from esbatch.train.ranks import Ranks
 from esbatch.train.rundir import RunDir
+from esbatch.train.watchdog import Watchdog
 
 
 class Trainer(ABC):
@@ -109,6 +110,7 @@ class RunSession:
         self.run_name, self.tags = run_name or cfg.run.name, dict(tags or {})
         self.uri = cfg.tracking.uri or default_tracking_uri(cfg.run.output_dir)
         self.tracker: Any = None
+        self.watchdog: Watchdog | None = None
         self.run_id: str | None = None
         self.t_start = time.perf_counter()
         self.status = "FAILED"
@@ -259,7 +261,9 @@ def run_updates(run: RunSession, trainer: Trainer, progress: bool) -> dict[str, 
     """Drive ``trainer`` from where the run folder stands to its budget (see the module docstring)."""
     try:
         total = trainer.setup()
-        start, records = _restore(run, trainer)
+        run.watchdog = Watchdog(run.cfg.run.hang_timeout_s)
+        with run.watchdog.phase("restoring the checkpoint and replaying the log"):
+            start, records = _restore(run, trainer)
         run.start(total, n_train=trainer.n_train)
         run.log_missing_steps(records)
         _train_loop(run, trainer, start, total, progress)
@@ -291,13 +295,14 @@ def _restore(run: RunSession, trainer: Trainer) -> tuple[int, list[dict[str, Any
 def _train_loop(run: RunSession, trainer: Trainer, start: int, total: int, progress: bool) -> None:
     from tqdm.auto import tqdm
 
-    cfg, rd = run.cfg, run.rd
+    cfg, rd, phase = run.cfg, run.rd, run.watchdog.phase
     done_evals = {e["t"] for e in rd.evals()} if run.lead else set()
 
     def evaluate(t: int, force: bool = False) -> None:
         due = force or (cfg.eval.every and t % cfg.eval.every == 0)
         if run.lead and due and t not in done_evals:
-            scores = trainer.evaluate()
+            with phase(f"the held-out evaluation after update {t}"):
+                scores = trainer.evaluate()
             if scores:
                 run.record_eval(t, scores)
                 bar.set_postfix({**post, "heldout": f"{scores['heldout/accuracy']:.3f}"})
@@ -308,20 +313,27 @@ def _train_loop(run: RunSession, trainer: Trainer, start: int, total: int, progr
     try:
         evaluate(0, force=True)
         for t in range(start, total):
-            if run.ranks.any(stop.requested()):  # between updates, never inside an MLflow write; all ranks agree
+            with phase(f"the stop check before update {t} (a collective)"):
+                stopping = run.ranks.any(stop.requested())  # between updates, never inside an MLflow write
+            if stopping:
                 raise stop.Stopped()
-            rec = trainer.step(t)
-            run.ranks.check_in_sync(trainer.checksum() if run.ranks.world > 1 else None, t)
-            run.record_update(rec)
+            with phase(f"update {t} (generation, scoring, reward exchange, weight update)"):
+                rec = trainer.step(t)
+            with phase(f"the rank checksum comparison after update {t} (a collective)"):
+                run.ranks.check_in_sync(trainer.checksum() if run.ranks.world > 1 else None, t)
+            with phase(f"logging update {t} (log.jsonl, MLflow)"):
+                run.record_update(rec)
             if (t + 1) % cfg.checkpoint.every == 0 or t + 1 == total:
-                trainer.save(t + 1, final=t + 1 == total)
+                with phase(f"the checkpoint after update {t + 1}"):
+                    trainer.save(t + 1, final=t + 1 == total)
                 trainer.saved_at = t + 1
             post = trainer.postfix(rec["metrics"])
             bar.set_postfix(post)
             bar.update(1)
             evaluate(t + 1, force=t + 1 == total)
         if trainer.saved_at != total:  # died after the last update was logged, before its checkpoint
-            trainer.save(total, final=True)
+            with phase(f"the checkpoint after update {total}"):
+                trainer.save(total, final=True)
             trainer.saved_at = total
         evaluate(total, force=True)  # no-op unless the final evaluation was lost the same way
     finally:

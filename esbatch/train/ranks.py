@@ -96,6 +96,11 @@ class Ranks:
             dist.destroy_process_group()
 
 
+def collective_timeout_min(cfg: object) -> float:
+    """A collective gives up a minute after the watchdog (esbatch/train/watchdog.py) would have named the hang."""
+    return cfg.run.hang_timeout_s / 60 + 1  # type: ignore[attr-defined]
+
+
 def init_ranks(timeout_min: float = 30.0) -> Ranks:
     """Join the process group described by torchrun's or esbatch's SLURM env (RANK, WORLD_SIZE, MASTER_*).
 

@@ -1,0 +1,82 @@
+"""No hang without a deadline: a watchdog thread that ends a run stuck in one phase, with a named error.
+
+A rank that stops answering leaves its peers waiting inside a collective; an engine RPC or a scorer that
+never returns blocks in C code or a thread no exception can reach. So every phase of an update (generation
+and scoring, the collectives, the checkpoint, the held-out evaluation) runs under ``phase(what)``; when one
+outlasts ``run.hang_timeout_s`` the watchdog prints which phase hung, dumps every thread's stack, and ends
+the process with ``EXIT_HUNG``. The run folder is intact (the log is appended before anything else), so the
+resumed run (the next `esbatch sweep`, or SLURM requeueing the task: see esbatch/launch/task.py) continues
+bit for bit. Setup (loading a model, possibly downloading it) is not timed.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+EXIT_HUNG = 75  # EX_TEMPFAIL: try again (the sweep resubmits, a SLURM task requeues)
+_before_exit: list[Callable[[str], None]] = []
+
+
+def before_exit(fn: Callable[[str], None]) -> None:
+    """Register ``fn(what)`` to run when a hang ends the process (a SLURM task requeues itself there)."""
+    _before_exit.append(fn)
+
+
+class Watchdog:
+    """One deadline at a time; ``phase`` arms it, leaving the phase disarms it."""
+
+    def __init__(self, limit_s: float, on_hang: Callable[[str, float], None] | None = None) -> None:
+        self.limit_s = limit_s
+        self.on_hang = on_hang or _exit_hung
+        self._what: str | None = None
+        self._deadline = float("inf")
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._watch, name="esbatch-watchdog", daemon=True)
+        self._thread.start()
+
+    @contextmanager
+    def phase(self, what: str) -> Iterator[None]:
+        with self._cond:
+            outer = (self._what, self._deadline)  # phases nest: the innermost deadline counts while it lasts
+            self._what, self._deadline = what, time.monotonic() + self.limit_s
+            self._cond.notify()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._what, self._deadline = outer
+                self._cond.notify()
+
+    def _watch(self) -> None:
+        with self._cond:
+            while True:
+                left = self._deadline - time.monotonic()
+                if left <= 0 and self._what is not None:
+                    self.on_hang(self._what, self.limit_s)
+                    self._deadline = float("inf")  # on_hang returned (tests): wait for the next phase
+                    continue
+                self._cond.wait(timeout=None if left == float("inf") else max(left, 0.01))
+
+
+def _exit_hung(what: str, limit_s: float) -> None:
+    print(
+        f"\nesbatch: hung: {what} did not finish within run.hang_timeout_s = {limit_s:g} s (a rank that stopped "
+        "answering, an engine or a scorer that never returns). Stacks of every thread follow; the run folder is "
+        f"intact and resumes where it stopped. Exit code {EXIT_HUNG}.",
+        file=sys.stderr,
+        flush=True,
+    )
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    for fn in _before_exit:
+        try:
+            fn(what)
+        except BaseException as e:  # noqa: BLE001 - submitit's requeue ends with SystemExit; nothing may stop the exit
+            print(f"esbatch: after the hang: {type(e).__name__}: {e}", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(EXIT_HUNG)  # the main thread may be stuck in C code: nothing else reliably ends it

@@ -1,0 +1,90 @@
+"""No hang without a deadline: a scorer that never returns, and a rank that stops answering (its peer waits in
+a collective), end the run with a named error and exit code 75 well within 120 s; the resumed run finishes
+with the center of an undisturbed run, bit for bit."""
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from toy import run_esbatch, toy_config
+
+from esbatch.train.watchdog import EXIT_HUNG, Watchdog
+
+UPDATES = 4
+
+
+def write(tmp: Path, model_dir: Path, name: str, marker: Path, nproc: int = 1) -> Path:
+    """A run whose scorer blocks forever in update 2 on the last rank while ``marker`` exists (16 scores per
+    update over the ranks)."""
+    cfg = toy_config(
+        model_dir,
+        heldout=0,
+        es_updates=UPDATES,
+        task={
+            "name": "toy:HangingDigitTask",
+            "params": {"size": 16, "marker": str(marker), "hang_after": 32 // nproc, "rank": str(nproc - 1)},
+            "heldout_size": 0,
+            "few_shot": 1,
+        },
+        run={"name": name, "seed": 3, "output_dir": str(tmp / "runs"), "threads": 1, "hang_timeout_s": 25},
+        checkpoint={"every": 1},
+        eval={"every": 0},
+    )
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def center(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "center.safetensors"))
+
+
+def same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_dir) -> dict[str, torch.Tensor]:
+    """The undisturbed run's center (one process: two ranks give the same bits, tests/integration/
+    test_es_distributed.py)."""
+    tmp = tmp_path_factory.mktemp("ref")
+    p = run_esbatch("train", str(write(tmp, tiny_model_dir, "ref", tmp / "absent")), "--no-progress", timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return center(tmp / "runs" / "ref")
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["scorer-never-returns", "rank-stops-answering"])
+def test_a_hang_ends_the_run_with_a_named_error_and_it_resumes_bit_exact(tmp_path, tiny_model_dir, reference, nproc):
+    marker = tmp_path / "hang-once"
+    marker.touch()
+    cfg = write(tmp_path, tiny_model_dir, "hung", marker, nproc)  # 2 ranks: rank 1 hangs, rank 0 waits for it
+    t0 = time.monotonic()
+    p = run_esbatch("train", str(cfg), "--no-progress", "--set", f"run.nproc_per_node={nproc}", timeout=300)
+    took = time.monotonic() - t0
+    assert p.returncode != 0 and not marker.exists(), p.stderr[-3000:]
+    if nproc == 1:
+        assert p.returncode == EXIT_HUNG
+    assert "esbatch: hung: update 2 (generation, scoring" in p.stderr, p.stderr[-3000:]
+    assert "run.hang_timeout_s = 25 s" in p.stderr and took < 120
+    run_dir = tmp_path / "runs" / "hung"
+    assert (run_dir / "log.jsonl").read_text().count("\n") == 2  # updates 0 and 1 done, 2 hung
+
+    p = run_esbatch("train", "--resume", str(run_dir), "--no-progress", timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert same(center(run_dir), reference)
+
+
+def test_the_watchdog_names_the_phase_and_spares_phases_that_finish():
+    hung = []
+    wd = Watchdog(0.2, on_hang=lambda what, limit: hung.append((what, limit)))
+    with wd.phase("quick"):
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert hung == []  # a finished phase is disarmed
+    with wd.phase("outer"):
+        with wd.phase("slow inner"):
+            time.sleep(0.5)
+    assert hung[0] == ("slow inner", 0.2)
