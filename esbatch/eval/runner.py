@@ -20,6 +20,7 @@ from typing import Any
 
 from esbatch.config.eval import EvalConfig, EvalTask
 from esbatch.metrics import mean_metrics, pass_at_k, problem_metrics
+from esbatch.tasks.verify import guarded_answer_key, guarded_score, guarded_score_many
 from esbatch.train import stop
 from esbatch.train.rundir import RunDir
 
@@ -94,15 +95,16 @@ def build_generator(cfg: EvalConfig, src: WeightsSource) -> Any:
 
 
 def score_responses(task: Any, texts: list[str], exs: list[Any], workers: int) -> tuple[list[str], list[str | None]]:
-    """Verdicts and answer keys, scored in parallel threads (math-verify and the code sandbox block)."""
+    """Verdicts and answer keys, scored in parallel threads (math-verify and the code sandbox block). A task
+    that raises costs only that response (WRONG, key None) and a warning line, not the eval."""
     if hasattr(task, "score_many"):
-        verdicts = [str(v) for v in task.score_many(texts, exs)]
+        verdicts = [str(v) for v in guarded_score_many(task, texts, exs)]
     else:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            verdicts = [str(v) for v in pool.map(lambda a: task.score(*a), zip(texts, exs))]
+            verdicts = [str(v) for v in pool.map(lambda a: guarded_score(task, *a), zip(texts, exs))]
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        keys = list(pool.map(lambda a: task.answer_key(*a), zip(texts, exs)))
+        keys = list(pool.map(lambda a: guarded_answer_key(task, *a), zip(texts, exs)))
     return verdicts, keys
 
 

@@ -8,20 +8,24 @@ split "test" (257), few-shot demos from the "prompt" split (7). ``hub_config="fu
 the hub: its last ``n_heldout`` rows are held out and its first ``n_demo`` rows are demos.
 
 The prompt is the paper's (App. G.5): system ``CODE_SYSTEM_PROMPT``, user "Task: ...\\nTest Cases:\\n<asserts>".
-A response is scored on its last ```python (or bare ```) block: none -> MISSING; ``test_imports + code +
-test_list`` run in ``esbatch.sandbox`` -> every assert passes -> CORRECT, else WRONG.
+A response is scored on its last ```python (or bare ```) block: none -> MISSING; every assert passes ->
+CORRECT, else WRONG. The asserts are not run next to the code: a policy being optimised against the scorer
+would learn to fake the exit code, return an always-equal object or patch ``assert``. Instead
+(:mod:`esbatch.tasks.code_check`) only the calls of the solution's functions run in ``esbatch.sandbox``, their
+return values come back as plain data, and a separate judge that never runs model code compares them with the
+expected values.
 """
 
 from __future__ import annotations
 
 import ast
-import math
-import secrets
+import functools
+import sys
 import textwrap
 from typing import Any
 
-from esbatch.sandbox import run_many
 from esbatch.tasks.base import SYSTEM_PROMPTS, Example, Task
+from esbatch.tasks.code_check import Limits, TestPlan, check_solutions, harness_program, plan_tests
 from esbatch.tasks.gsm8k import load_rows
 from esbatch.tasks.verify import Verdict
 
@@ -125,34 +129,38 @@ class MBPPTask(Task):
 
     # --- scoring ---------------------------------------------------------------------------
     @staticmethod
-    def program(code: str, ex: Example, exit_code: int) -> str:
-        """``test_imports + code + test_list``, then exit with ``exit_code`` once every assert has passed.
+    def plan(ex: Example) -> TestPlan:
+        """The problem's asserts split into solution calls and judge expressions (ValueError: not plannable)."""
+        return _plan(tuple(ex.meta["tests"]), tuple(ex.meta["setup"]), ex.answer)
 
-        The exit code is drawn per batch, so an answer that exits early on its own (``sys.exit(0)`` before
-        the asserts run) is not taken for a pass.
-        """
-        return "\n".join([*ex.meta["setup"], code, *ex.meta["tests"], f"raise SystemExit({exit_code})", ""])
+    def program(self, code: str, ex: Example, marker: str = "@@values@@") -> str:
+        """The sandboxed program for ``code``: setup, the code, the placeholder calls, values printed after
+        ``marker`` (no expected value and no comparison is in it)."""
+        return harness_program(self.plan(ex), code, marker)
 
     def score(self, response: str, ex: Example) -> Verdict:
         return self.score_many([response], [ex])[0]
 
     def score_many(self, responses: list[str], examples: list[Example]) -> list[Verdict]:
-        """Score a batch, running the programs in parallel sandboxes (``workers``; 0 = one per CPU core)."""
+        """Score a batch: the solutions run in parallel sandboxes (``workers``; 0 = one per CPU core), then one
+        judge run compares all their values with the expected ones."""
         if len(responses) != len(examples):
             raise ValueError(f"{len(responses)} responses for {len(examples)} examples")
-        codes = [extract_code(r) for r in responses]
-        todo = [i for i, c in enumerate(codes) if c is not None]
-        exit_code = 3 + secrets.randbelow(120)
-        results = run_many(
-            [self.program(codes[i], examples[i], exit_code) for i in todo],
-            workers=self.workers or None,
-            timeout_s=self.timeout_s,
-            cpu_s=max(1, math.ceil(self.timeout_s)),
-            memory_mb=self.memory_mb,
-        )
         verdicts = [Verdict.MISSING] * len(responses)
-        for i, r in zip(todo, results):
-            verdicts[i] = Verdict.CORRECT if r.returncode == exit_code and not r.timed_out else Verdict.WRONG
+        todo, plans = [], []
+        for i, (r, ex) in enumerate(zip(responses, examples)):
+            if (code := extract_code(r)) is None:
+                continue
+            try:
+                plans.append(self.plan(ex))
+                todo.append((i, code))
+            except ValueError as e:  # a dataset row the checker cannot split: nobody can pass it
+                _warn_once(ex.meta.get("task_id"), str(e))
+                verdicts[i] = Verdict.WRONG
+        limits = Limits(self.timeout_s, self.memory_mb, self.workers or None)
+        passed = check_solutions([c for _, c in todo], plans, limits)
+        for (i, _), ok in zip(todo, passed):
+            verdicts[i] = Verdict.CORRECT if ok else Verdict.WRONG
         return verdicts
 
     def answer_key(self, response: str, ex: Example) -> str | None:
@@ -166,3 +174,15 @@ class MBPPTask(Task):
             return ast.unparse(ast.parse(code))
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             return " ".join(code.split())
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(tests: tuple[str, ...], setup: tuple[str, ...], reference: str) -> TestPlan:
+    return plan_tests(tests, setup, reference)
+
+
+@functools.lru_cache(maxsize=256)
+def _warn_once(task_id: Any, error: str) -> None:
+    print(
+        f"warning: MBPP problem {task_id}: its tests cannot be checked, every answer is WRONG: {error}", file=sys.stderr
+    )

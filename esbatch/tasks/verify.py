@@ -2,15 +2,24 @@
 
 Pure functions with no model or dataset dependency, so the truth tables in tests/unit/test_verify.py
 pin their behaviour on nasty inputs. Numbers are compared as exact fractions (0.5 == 1/2 == \\frac{1}{2}).
+
+The model's text is an adversary's input (ES and GRPO optimise against these functions), so none of them may
+raise or take more than linear time on any text: a number longer than ``MAX_NUMBER_CHARS`` is not a number
+(Python refuses int() past 4,300 digits), and extraction scans each character a bounded number of times
+(tests/unit/test_verify_fuzz.py). :func:`guarded_score` turns an exception in any task's scoring into WRONG.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import sys
+import threading
 from collections import Counter
+from collections.abc import Callable
 from enum import StrEnum
 from fractions import Fraction
+from typing import Any
 
 
 class Verdict(StrEnum):
@@ -22,22 +31,26 @@ class Verdict(StrEnum):
 
 
 def extract_boxed(text: str) -> str | None:
-    r"""Content of the last ``\boxed{...}`` (braces balanced), or None."""
-    start = text.rfind("\\boxed")
+    r"""Content of the last ``\boxed{...}`` (braces balanced), or None.
+
+    A box whose brace never closes cannot contain an earlier box's closing brace either, so the scan of an
+    earlier box stops where the last unclosed one starts: linear time even for ``\boxed{`` repeated."""
+    start, limit = text.rfind("\\boxed"), len(text)
     while start != -1:
         i = start + len("\\boxed")
-        while i < len(text) and text[i] == " ":
+        while i < limit and text[i] == " ":
             i += 1
-        if i < len(text) and text[i] == "{":
-            depth, j = 0, i
-            while j < len(text):
-                if text[j] == "{":
+        if i < limit and text[i] == "{":
+            depth = 0
+            for j in range(i, limit):
+                c = text[j]
+                if c == "{":
                     depth += 1
-                elif text[j] == "}":
+                elif c == "}":
                     depth -= 1
                     if depth == 0:
                         return text[i + 1 : j]
-                j += 1
+            limit = i
         start = text.rfind("\\boxed", 0, start)
     return None
 
@@ -46,11 +59,16 @@ _FRAC = re.compile(r"^\\[dt]?frac\{(-?\d+)\}\{(-?\d+)\}$")
 _SLASH = re.compile(r"^(-?\d+)\s*/\s*(-?\d+)$")
 _NUMBER = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)$")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(\D|$))")
+#: Longer answers are not plain numbers: no gold answer is this long, int() refuses 4,300+ digits, and the
+#: unit-stripping regex below is quadratic in the worst case.
+MAX_NUMBER_CHARS = 1000
 
 
 def parse_number(s: str) -> Fraction | None:
     r"""Parse a final answer like ``1,000``, ``$18``, ``\frac{1}{2}``, ``0.50``, ``72\%`` or ``18 \text{ apples}``."""
     s = s.strip()
+    if len(s) > MAX_NUMBER_CHARS:
+        return None
     s = re.sub(r"\\text\{([^}]*)\}", r"\1", s)
     s = re.sub(r"\\(mathrm|textbf|mathbf)\{([^}]*)\}", r"\2", s)
     s = s.replace("\\$", "").replace("$", "").replace("\\!", "").replace("\\,", "").replace("{,}", ",")
@@ -78,9 +96,12 @@ def check_boxed_number(response: str, gold: str) -> Verdict:
 
 
 def extract_answer_tag(text: str) -> str | None:
-    """Content of the last ``<answer>...</answer>``, or None."""
-    found = re.findall(r"<answer>(.*?)</answer>", text, flags=re.DOTALL)
-    return found[-1].strip() if found else None
+    """Content of the last ``<answer>...</answer>`` (the last of the non-overlapping, leftmost, shortest
+    matches, as ``re.findall(r"<answer>(.*?)</answer>")`` finds them, in linear time), or None."""
+    found, pos = None, 0
+    while (start := text.find("<answer>", pos)) != -1 and (end := text.find("</answer>", start + 8)) != -1:
+        found, pos = text[start + 8 : end], end + 9
+    return found.strip() if found is not None else None
 
 
 class _Invalid(Exception):
@@ -139,3 +160,59 @@ def countdown_key(response: str) -> str | None:
     vote together; different correct equations are different answers)."""
     ans = extract_answer_tag(response)
     return None if ans is None else "".join(ans.split()) or None
+
+
+_warned: dict[tuple[str, str], int] = {}
+_warn_lock = threading.Lock()
+#: warnings per (task, exception type) before they are only counted; then one every WARN_EVERY
+WARN_FIRST, WARN_EVERY = 3, 1000
+
+
+def scoring_warning(source: str, kind: str, detail: str) -> None:
+    """One stderr line per failure, the first WARN_FIRST times per (source, kind), then one every WARN_EVERY
+    with the running count, so a task that fails on every response cannot flood the log."""
+    with _warn_lock:
+        n = _warned[(source, kind)] = _warned.get((source, kind), 0) + 1
+    if n <= WARN_FIRST or n % WARN_EVERY == 0:
+        count = f" ({n} so far)" if n > WARN_FIRST else ""
+        print(f"warning: {source}: {detail}{count}", file=sys.stderr, flush=True)
+
+
+def _warn(task: Any, method: str, e: BaseException) -> None:
+    kind, outcome = type(e).__name__, "no answer key" if method == "answer_key" else "counted as WRONG"
+    scoring_warning(f"{type(task).__name__}.{method}", kind, f"raised {kind}, {outcome}: {str(e)[:160]!r}")
+
+
+def guarded(task: Any, method: str, fallback: Any) -> Callable[..., Any]:
+    """``task.<method>`` as it is now, made safe: an exception returns ``fallback`` with a warning line."""
+    call = getattr(task, method)
+
+    def safe(*args: Any) -> Any:
+        try:
+            return call(*args)
+        except Exception as e:
+            _warn(task, method, e)
+            return fallback
+
+    return safe
+
+
+def guarded_score(task: Any, response: str, ex: Any) -> Verdict:
+    """``task.score(response, ex)``; an exception becomes WRONG with a warning, never a dead run."""
+    return guarded(task, "score", Verdict.WRONG)(response, ex)
+
+
+def guarded_answer_key(task: Any, response: str, ex: Any) -> str | None:
+    """``task.answer_key(response, ex)``; an exception becomes None (abstain) with a warning."""
+    return guarded(task, "answer_key", None)(response, ex)
+
+
+def guarded_score_many(task: Any, responses: list[str], examples: list[Any]) -> list[Verdict]:
+    """``task.score_many`` when the task has it (else ``score`` one by one); an exception in the batch call
+    falls back to guarded single scoring, so one bad response costs only its own verdict."""
+    if hasattr(task, "score_many"):
+        try:
+            return list(task.score_many(responses, examples))
+        except Exception as e:
+            _warn(task, "score_many", e)
+    return [guarded_score(task, r, ex) for r, ex in zip(responses, examples)]

@@ -20,6 +20,9 @@ Cheap cases never leave the calling process:
 Everything else (``\dfrac12``, ``\sqrt{2}/2`` vs ``\frac{\sqrt2}{2}``, intervals, sets, tuples, ``y = 2x + 3``,
 ``30^\circ``, ``\text{Evelyn}``, symbolic expressions) goes to math-verify: ``verify(parse(gold), parse(pred))``
 with both sides wrapped in ``\boxed{}`` so its LaTeX extraction takes the whole string.
+An answer longer than ``MAX_ANSWER_CHARS`` never reaches math-verify (it is compared as a string only): no
+gold answer is that long, and sympy on 100 kB of adversarial LaTeX would spend the whole timeout and fill the
+memo caches.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ WORKER_STARTUP_TIMEOUT_S = 120.0
 #: Idle workers kept for reuse (one per core: the evaluator scores with a thread per core); more concurrent
 #: callers get extra workers that are closed afterwards.
 MAX_IDLE_WORKERS = max(4, os.cpu_count() or 4)
+#: Longer answers are compared as strings only (see the module docstring).
+MAX_ANSWER_CHARS = 2000
 
 
 class Match(StrEnum):
@@ -308,6 +313,8 @@ def compare_math(pred: str, gold: str, timeout_s: float = 5.0) -> Match:
         return Match.EQUAL if a == b else Match.UNEQUAL
     if _squash(pred) == _squash(gold):
         return Match.EQUAL
+    if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+        return Match.UNEQUAL
     return _compare_cached(pred, gold, float(timeout_s))
 
 
@@ -359,5 +366,7 @@ def math_answer_key(response: str, timeout_s: float = 5.0) -> str | None:
         return None  # an empty box abstains
     if (num := plain_number(boxed)) is not None:
         return str(num)
+    if len(boxed) > MAX_ANSWER_CHARS:
+        return _squash(boxed)
     key = _key_cached(boxed, float(timeout_s))
     return key if key is not None else _squash(boxed)

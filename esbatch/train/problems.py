@@ -7,6 +7,7 @@ from typing import Any
 
 from esbatch.backends.base import Generator, SamplingParams
 from esbatch.tasks import TASKS, Example, Task, Verdict
+from esbatch.tasks.verify import guarded, guarded_score, scoring_warning
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Problems:
 def load_problems(cfg: Any, generator: Generator) -> Problems:
     """The training and held-out problems of ``cfg.task``, prompted with ``generator``'s chat template."""
     task = TASKS.get(cfg.task.name)(cfg.task.data_path, **cfg.task.params)
+    task.score = guarded(task, "score", Verdict.WRONG)  # the trainers call it: an exception is a WRONG, not a crash
     sp = task.splits(cfg.task.train_size, cfg.task.heldout_size, cfg.task.few_shot, cfg.run.seed)
     demos = sp["demo"]
 
@@ -35,7 +37,12 @@ def load_problems(cfg: Any, generator: Generator) -> Problems:
 def reward_of(verdict: Verdict, cfg: Any) -> float:
     """The paper's reward (App. G.1): correct 1, well-formatted but wrong 0.1, no answer 0 (configurable)."""
     r = cfg.reward
-    return {Verdict.CORRECT: r.correct, Verdict.WRONG: r.format, Verdict.MISSING: r.missing}[verdict]
+    rewards = {Verdict.CORRECT: r.correct, Verdict.WRONG: r.format, Verdict.MISSING: r.missing}
+    try:
+        return rewards[verdict]
+    except (KeyError, TypeError):  # a task returned something that is not a Verdict: scored as WRONG
+        scoring_warning("reward_of", "not a Verdict", f"a task's score returned {verdict!r:.80}; counted as WRONG")
+        return r.format
 
 
 def evaluate_heldout(cfg: Any, generator: Generator, probs: Problems) -> dict[str, float]:
@@ -44,7 +51,7 @@ def evaluate_heldout(cfg: Any, generator: Generator, probs: Problems) -> dict[st
         return {}
     sampling = SamplingParams(0.0, 1.0, cfg.eval.max_new_tokens or cfg.generation.max_new_tokens)
     gens = generator.generate(probs.heldout_prompts, sampling, seed=0)
-    verdicts = [probs.task.score(g.text, ex) for g, ex in zip(gens, probs.heldout)]
+    verdicts = [guarded_score(probs.task, g.text, ex) for g, ex in zip(gens, probs.heldout)]
     n = len(verdicts)
     return {
         "heldout/accuracy": sum(v is Verdict.CORRECT for v in verdicts) / n,
