@@ -153,6 +153,9 @@ class ESTrainer(Trainer):
     def summary(self) -> dict[str, Any]:
         return {"memory": self.backend.memory_report()}
 
+    def tags(self) -> dict[str, str]:
+        return self.probs.task.tracking_tags()
+
     def close(self) -> None:
         if hasattr(self, "backend"):
             self.backend.close()

@@ -404,6 +404,15 @@ def _yaml(d: dict[str, Any]) -> str:
     return yaml.safe_dump(d, sort_keys=False)
 
 
+def _task_tags(cfg: EvalConfig) -> dict[str, str]:
+    from esbatch.tasks import TASKS
+
+    tags: dict[str, str] = {}
+    for et in cfg.task_list():
+        tags.update(TASKS.get(et.name)(et.data_path, **et.params).tracking_tags())
+    return tags
+
+
 def log_to_mlflow(cfg: EvalConfig, ed: EvalDir, src: WeightsSource, summary: dict[str, Any]) -> str:
     """One MLflow run per eval, nested under the training run when one was evaluated."""
     from mlflow.tracking import MlflowClient
@@ -413,7 +422,7 @@ def log_to_mlflow(cfg: EvalConfig, ed: EvalDir, src: WeightsSource, summary: dic
 
     uri = src.parent_uri or cfg.tracking.uri or default_tracking_uri(cfg.output_dir)
     experiment = cfg.tracking.experiment
-    tags = {**run_tags(), "esbatch.kind": "eval", "eval.source": src.description}
+    tags = {**run_tags(), "esbatch.kind": "eval", "eval.source": src.description, **_task_tags(cfg)}
     if src.parent_run_id:
         parent = MlflowClient(tracking_uri=uri).get_run(src.parent_run_id)
         experiment = MlflowClient(tracking_uri=uri).get_experiment(parent.info.experiment_id).name

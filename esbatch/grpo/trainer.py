@@ -266,3 +266,6 @@ class GRPOTrainer(Trainer):
     def export(self, path: Path) -> None:
         self.engine.module.save_pretrained(path)
         self.tok.save_pretrained(path)
+
+    def tags(self) -> dict[str, str]:
+        return self.probs.task.tracking_tags()

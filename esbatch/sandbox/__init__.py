@@ -1,58 +1,79 @@
 """Run untrusted, model-generated Python (e.g. MBPP answers) in a contained child process.
 
-Each layer stops a specific way a program can hurt the evaluator or the machine:
+Each layer stops a specific way a program can hurt the evaluator, the user or the machine (``_launcher`` has
+the process tree; ``isolation_report()`` says which layers are in force here, to log with a run):
 
-- Its own process in a new session, killed as a whole group: the parent enforces the wall-time limit
-  even if the program ignores signals or sleeps (RLIMIT_CPU does not count sleeping).
-- ``resource`` limits (CPU, address space, file size, processes, no core dumps): an infinite loop, a
-  memory bomb or a huge file fails inside the child.
-- An unprivileged uid when the parent is root. The kernel does not enforce RLIMIT_NPROC for root, and
-  root may read any file and signal any process. Each concurrent run leases its own uid from a private
-  range (``UID_BASE`` + 64 per parent pid), so runs never share a fork budget, cannot signal each other,
-  and every process left behind (also one that escaped the group with ``setsid``) is killed by uid.
-  A non-root parent cannot switch uids: the program runs as the parent's user, so it could signal the
-  parent's other processes, and processes that leave the process group can outlive the run.
-- New network and mount namespaces: no network at all (a loopback that is down), and every mount
-  read-only except the working directory, so world-writable places such as /tmp and /dev/shm are
-  closed too. Non-root parents get them through a user namespace. Where the kernel forbids namespaces
-  the program runs anyway and the result says ``network_isolated=False``.
-- A fresh working directory (deleted afterwards) and a minimal environment: HOME and TMPDIR point at
-  that directory and nothing of the parent's environment (tokens, keys) reaches the program.
-- stdin is /dev/null; stdout/stderr are read incrementally and only the first ``max_output`` bytes kept.
+- Its own user: a user namespace (unprivileged evaluator) or a uid of its own (root evaluator, from a block
+  of uids locked per evaluator, see ``_uids``, so two evaluators never share one). Inside, the program gets a
+  nested user namespace of its own in which no further one may be made, no capability, an empty bounding set,
+  ``no_new_privs`` (setuid binaries gain nothing) and a fresh session keyring (not the evaluator's keys).
+  RLIMIT_NPROC then counts only the program's tasks: a fork or thread bomb stops at ``max_procs``.
+- A PID namespace with a fresh /proc: the program sees no other process (not the evaluator's environ or
+  command line), ``kill(getppid())`` and ``kill(-1)`` reach only its own tree, and when its main process
+  exits, the namespace's init exits and the kernel kills everything left (setsid double forks, children
+  sleeping past the end). The wall-time limit SIGKILLs that init from outside, which nothing inside can block.
+- The tree limited together: a per-run cgroup (memory + pids, ``_cgroup``) where one can be made, else init
+  polls the memory of the namespace's processes every 10 ms; either way the whole tree is killed above the
+  limit (reason "memory"). RLIMIT_AS, CPU time and file size per process on top.
+- A mount namespace: the working folder is a fresh tmpfs capped in bytes and inodes (neither one big file nor
+  many small ones fill a disk); $HOME, /root, /home, /tmp, /var/tmp, /dev/shm, /dev/pts, /run (and the
+  folders in ``ESBATCH_SANDBOX_HIDE``, colon-separated) are covered by empty read-only tmpfs, so private
+  files, terminals and the sockets of agents and databases are out of reach; every other mount is
+  read-only. The interpreter's own folders are bound back read-only when they lie in a hidden one.
+- A network namespace with its loopback down (no network, no abstract unix sockets), and an IPC one.
+- A minimal environment (none of the evaluator's tokens or keys); stdin is /dev/null; stdout/stderr are read
+  incrementally and only the first ``max_output`` bytes kept.
 
-Files readable by everybody (the standard library, /etc/passwd) remain readable.
+Where the kernel refuses the namespaces, ``run_python`` refuses to run code (``SandboxError``, a RuntimeError)
+unless the caller passes ``allow_unconfined=True``: then only the rlimits, the new session (killed as a group)
+and, for root, the separate uid remain; results say ``isolated=False`` and a warning is given once. What stays
+reachable: files readable by the evaluator's user (and its groups) outside the hidden folders, read-only; in
+accounting mode, memory a program holds without mapping it (memfd or pipe buffers, each file at most
+``file_size_mb``) escapes the tree total. This is no defence against kernel exploits (use a VM, gVisor or
+nsjail for that).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import resource
-import selectors
+import pwd
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+import warnings
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import cache
 
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
-MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x1, 0x20, 0x1000, 0x4000, 0x40000
-# nosuid, nodev, noexec, noatime, nodiratime, relatime: the same bits in statvfs().f_flag and mount(2). A
-# read-only remount must repeat them, or a user namespace refuses it (they are locked there).
-_KEEP_FLAGS = 0x2 | 0x4 | 0x8 | 0x400 | 0x800 | 0x1000
-UID_BASE = int(os.environ.get("ESBATCH_SANDBOX_UID_BASE", "2000000000"))
-UIDS_PER_PARENT = 64
-SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+from esbatch.sandbox import _cgroup
+from esbatch.sandbox._run import (
+    MB,
+    SAFE_PATH,
+    Limits,
+    Outcome,
+    SandboxError,
+    program_env,
+    rlimits,
+    run_isolated,
+    run_unconfined,
+)
+from esbatch.sandbox._uids import lease_uid, processes_of_uid, uid_block
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+__all__ = [
+    "SandboxError",
+    "SandboxResult",
+    "isolation_report",
+    "network_isolation_available",
+    "processes_of_uid",
+    "run_many",
+    "run_python",
+    "sandbox_python",
+]
+# /run: the user's agents (/run/user), database and munge sockets; /dev/pts: the user's terminals
+HIDDEN = ("/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/dev/pts", "/run", "/var/run")
 
 
 @dataclass
@@ -64,194 +85,164 @@ class SandboxResult:
     stderr: str
     wall_s: float
     reason: str  # "ok", "timeout", "cpu limit", "memory", "killed by signal SIGKILL", "exit 1", ...
-    network_isolated: bool = False  # network + read-only filesystem namespaces were in force
+    network_isolated: bool = False  # no network (a network namespace of its own) was in force
     uid: int | None = None  # the unprivileged uid it ran as (root parents only)
+    isolated: bool = False  # every layer of the module docstring was in force (network: unless asked for)
+    memory_peak_mb: float | None = None  # the tree's peak (cgroup) or the largest total init saw (polled)
 
 
-# ----------------------------------------------------------------------------- in the child, before exec
+# ----------------------------------------------------------------------------- what the program may see
 
 
-def _mount(src: str | None, target: str, flags: int) -> None:
-    if _libc.mount(src and src.encode(), target.encode(), None, flags, None) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount {target}: {os.strerror(err)}")
-
-
-def _isolate(workdir: str, new_net: bool) -> None:
-    """New mount (and network) namespace where everything but ``workdir`` is read-only."""
-    uid, gid = os.getuid(), os.getgid()
-    flags = CLONE_NEWNS | (CLONE_NEWNET if new_net else 0) | (0 if uid == 0 else CLONE_NEWUSER)
-    if _libc.unshare(flags) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"unshare: {os.strerror(err)}")
-    if uid != 0:  # map our own ids 1:1, else the namespace cannot create files or mount
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
-            with open(f"/proc/self/{name}", "w") as f:
-                f.write(text)
-    _mount(None, "/", MS_REC | MS_PRIVATE)  # nothing done below propagates back to the host
-    _mount(workdir, workdir, MS_BIND)  # the working directory becomes its own mount and stays writable
-    with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4].replace("\\040", " ") for line in f]
-    for p in dict.fromkeys(points):
-        if p != workdir and not (flag := os.statvfs(p).f_flag) & MS_RDONLY:
-            _mount(None, p, MS_REMOUNT | MS_BIND | MS_RDONLY | (flag & _KEEP_FLAGS))
-
-
-def _preexec(workdir: str, uid: int | None, isolate: bool, new_net: bool, limits: list) -> Callable[[], None]:
-    def setup() -> None:
-        if isolate:
-            _isolate(workdir, new_net)  # needs privileges: before the uid drop
-        os.chdir(workdir)  # after the bind mount, so the cwd is the writable mount, not the read-only one below
-        if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-        # Limits last: lowering needs no privilege, and an address-space limit below what this forked copy
-        # of the parent already maps would make the Python code above fail. The address space is replaced
-        # at exec, which is what the limit is for.
-        for res, soft, hard in limits:
-            resource.setrlimit(res, (soft, hard))
-
-    return setup
-
-
-# ----------------------------------------------------------------------------- in the parent
-
-_pool = threading.Condition()
-_free_uids: list[int] = []
-_pool_pid: int | None = None
-
-
-def _processes() -> list[tuple[int, int, bool]]:
-    """(pid, real uid, is a zombie) of every process, from /proc."""
-    found = []
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        with suppress(OSError, KeyError, ValueError):
-            with open(f"/proc/{d}/status") as f:
-                st = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
-            found.append((int(d), int(st["Uid"].split()[0]), st["State"].strip().startswith("Z")))
-    return found
-
-
-def processes_of_uid(uid: int) -> list[int]:
-    """Live (non-zombie) processes whose real uid is ``uid``."""
-    return [pid for pid, u, zombie in _processes() if u == uid and not zombie]
-
-
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of ``uid``: a helper becomes ``uid`` and calls kill(-1), which the kernel applies
-    to exactly the processes that uid may signal (its own), atomically, so a fork bomb cannot outrun it."""
-
-    def kill_all() -> None:
-        with suppress(ProcessLookupError):
-            os.kill(-1, signal.SIGKILL)
-
-    true = shutil.which("true", path=SAFE_PATH) or "/bin/true"
-    for _ in range(50):
-        if not processes_of_uid(uid):
-            return
-        with suppress(OSError, subprocess.SubprocessError):  # Popen switches uid before preexec_fn runs
-            subprocess.run([true], user=uid, group=uid, extra_groups=[], preexec_fn=kill_all, timeout=10)
-        time.sleep(0.01)
-
-
-@contextmanager
-def _lease_uid() -> Iterator[int | None]:
-    """One unprivileged uid for the duration of a run (None unless the parent is root); leftovers are killed."""
-    global _pool_pid
-    if os.geteuid() != 0:
-        yield None
-        return
-    with _pool:
-        if _pool_pid != os.getpid():  # first use, or a forked copy of the parent: its own range
-            _pool_pid = os.getpid()
-            base = UID_BASE + (_pool_pid % 4096) * UIDS_PER_PARENT
-            _free_uids[:] = range(base, base + UIDS_PER_PARENT)
-        while not _free_uids:
-            _pool.wait()
-        # Killed orphans stay zombies until init reaps them, and zombies still count against RLIMIT_NPROC:
-        # take the least recently used uid that has no process at all.
-        busy = {u for _, u, _ in _processes()}
-        uid = next((u for u in _free_uids if u not in busy), _free_uids[0])
-        _free_uids.remove(uid)
+def _hidden_paths() -> list[str]:
+    """The folders covered by an empty tmpfs, as real paths."""
+    homes = [os.path.expanduser("~"), tempfile.gettempdir()]
     try:
-        yield uid
+        homes.append(pwd.getpwuid(os.getuid()).pw_dir)
+    except KeyError:
+        pass
+    extra = os.environ.get("ESBATCH_SANDBOX_HIDE", "").split(":")
+    found = {os.path.realpath(p) for p in [*homes, *HIDDEN, *extra] if p and os.path.isabs(p)}
+    return sorted(p for p in found if p != "/" and os.path.isdir(p))
+
+
+def _visible_prefixes(exe: str, hidden: list[str]) -> list[str]:
+    """The interpreter's folders (a venv's and its base installation's) that a hidden folder would cover."""
+    under = lambda p, d: p.startswith(d.rstrip("/") + "/")
+    prefixes = {os.path.dirname(os.path.dirname(p)) for p in (os.path.abspath(exe), os.path.realpath(exe))}
+    return sorted(p for p in prefixes if any(under(p, h) for h in hidden) and not any(under(h, p) for h in hidden))
+
+
+def _config(code: str, argv: list[str], workdir: str, uid: int | None, lim: Limits, network: bool) -> dict:
+    hidden = _hidden_paths()
+    root = os.geteuid() == 0
+    return {
+        "new_user": not root,
+        "new_net": not network,
+        "uid": uid,
+        "workdir": workdir,
+        "code": code,
+        "argv": argv,
+        "env": program_env(workdir),
+        "hide": hidden,
+        "keep": _visible_prefixes(argv[0], hidden),
+        "disk_bytes": lim.disk_mb * MB,
+        "inodes": lim.max_files,
+        "rlimits": rlimits(lim),  # the program has a user namespace of its own: NPROC counts only its tasks
+    }
+
+
+# ----------------------------------------------------------------------------- probes
+
+
+def _isolated_run(code: str, argv: list[str], lim: Limits, network: bool) -> tuple[Outcome, int | None]:
+    workdir = os.path.realpath(tempfile.mkdtemp(prefix="esbatch_sbx_"))  # stays empty: a tmpfs covers it
+    try:
+        with lease_uid(contained=True) as uid:
+            try:
+                cg = _cgroup.create((lim.memory_mb + lim.disk_mb) * MB, lim.max_procs)
+            except OSError:  # the cgroups worked at the probe but not now: init's own accounting takes over
+                cg = None
+            try:
+                cfg = _config(code, argv, workdir, uid, lim, network)
+                cfg.update(cgroup_procs=cg.procs if cg else [], oom_file=cg.oom_file if cg else None)
+                cfg.update(memory_limit=None if cg else lim.memory_mb * MB)
+                return run_isolated(cfg, lim, cg), uid
+            finally:
+                if cg is not None:
+                    cg.remove()
     finally:
-        _kill_uid(uid)
-        with _pool:
-            _free_uids.append(uid)
-            _pool.notify()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @cache
+def _probe() -> tuple[str | None, dict]:
+    """(what is missing or None, the launcher's report), from a no-op program run with every layer. A program
+    that cannot join its cgroup (a v2 folder delegated without its ancestors) falls back to accounting."""
+    true = shutil.which("true", path=SAFE_PATH) or "/bin/true"
+    lim = Limits(30.0, 5, 256, 16, 16, 64, 32, 4096)
+    for _ in range(2):
+        try:
+            out, _ = _isolated_run("", [true], lim, network=False)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            if "cgroup" in str(e) and _cgroup.mode() is not None:
+                _cgroup.disable()
+                continue
+            return str(e), {}
+        if out.returncode != 0:
+            return f"a no-op program failed in the sandbox ({out.returncode}): {out.stderr[-500:]}", {}
+        return None, out.report or {}
+    return "the sandbox failed twice", {}
+
+
+def isolation_report() -> dict[str, str | bool]:
+    """What is in force for the programs run here (flat, to log as run parameters)."""
+    missing, report = _probe()
+    root = os.geteuid() == 0
+    memory = _cgroup.mode() or "accounting: init polls the namespace's memory (RssAnon+RssShmem) every 10 ms"
+    block = uid_block() if root and missing is None else None
+    return {
+        "isolated": missing is None,
+        "missing": missing or "",
+        "user": "a leased unprivileged uid (root evaluator)" if root else "unprivileged user namespace",
+        "uid_block": f"{block.start}-{block.stop - 1}" if block else "",
+        "pid_namespace": missing is None,
+        "network_namespace": missing is None,
+        "mount_namespace": missing is None,
+        "ipc_namespace": missing is None,
+        "proc": "fresh /proc of the PID namespace" if missing is None else "the host's",
+        "tree_limits": (memory + " + RLIMIT_AS/CPU/FSIZE/NPROC per process") if missing is None else "rlimits only",
+        "workdir": "size- and inode-capped tmpfs" if missing is None else "host temporary folder",
+        "hidden": ":".join(report.get("hidden", [])),
+    }
+
+
 def network_isolation_available() -> bool:
-    """Whether the kernel lets us create the network + mount namespaces (probed once with a no-op child)."""
-    d = os.path.realpath(tempfile.mkdtemp(prefix="esbatch_sbx_probe_"))
-    try:
-        true = shutil.which("true", path=SAFE_PATH) or "/bin/true"
-        subprocess.run([true], preexec_fn=lambda: _isolate(d, True), check=True, timeout=30, stdin=subprocess.DEVNULL)
-        return True
-    except (OSError, subprocess.SubprocessError):
-        return False
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    """Whether programs run isolated here (network namespace and the rest; kept for earlier callers)."""
+    return _probe()[0] is None
 
 
 @cache
 def sandbox_python() -> str:
-    """``sys.executable`` if the sandbox uid may run it, else the system python3 (a venv under /root,
-    mode 700, cannot be executed by an unprivileged uid). Programs only get the standard library."""
+    """``sys.executable`` if it runs inside the sandbox, else the system python3."""
     candidates = [sys.executable, os.path.realpath(sys.executable), shutil.which("python3", path=SAFE_PATH)]
     for exe in dict.fromkeys(c for c in candidates if c):
-        with suppress(OSError, subprocess.SubprocessError):
-            if run_python("import sys", python=exe, timeout_s=30).ok:
+        try:
+            if run_python("import sys", python=exe, timeout_s=30, allow_unconfined=True).ok:
                 return exe
-    raise RuntimeError(f"no Python interpreter runs inside the sandbox (tried {candidates})")
+        except (OSError, RuntimeError, subprocess.SubprocessError):
+            continue
+    raise SandboxError(f"no Python interpreter runs inside the sandbox (tried {candidates})")
 
 
-def _exited(pid: int) -> bool:
-    """Whether the child has exited, without reaping it: its pid (= process group id) stays reserved."""
-    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+# ----------------------------------------------------------------------------- running programs
+
+_warned = False
 
 
-def _collect(proc: subprocess.Popen, deadline: float, cap: int, on_exit: Callable[[], None]) -> tuple:
-    """Read stdout/stderr until exit and EOF, or the deadline. Keeps the first ``cap`` bytes of each stream
-    (and the last 4 kB of stderr, to name the error), and drains and drops the rest so the child never blocks."""
-    head, size, tail = {proc.stdout: bytearray(), proc.stderr: bytearray()}, {proc.stdout: 0, proc.stderr: 0}, b""
-    sel = selectors.DefaultSelector()
-    for f in head:
-        sel.register(f, selectors.EVENT_READ)
-    exited_at = None
-    while True:
-        now = time.monotonic()
-        if exited_at is None and _exited(proc.pid):
-            exited_at = now
-            on_exit()  # kill what it left behind, so nothing keeps the pipes open
-        if exited_at is not None and (not sel.get_map() or now > exited_at + 2.0):
-            timed_out = False
-            break
-        if now >= deadline:
-            timed_out = True
-            break
-        for key, _ in sel.select(min(0.05, deadline - now)):  # an empty selector just waits
-            f, chunk = key.fileobj, os.read(key.fd, 1 << 16)
-            if not chunk:
-                sel.unregister(f)
-            size[f] += len(chunk)
-            head[f] += chunk[: max(0, cap - len(head[f]))]
-            tail = (tail + chunk)[-4096:] if f is proc.stderr else tail
-    sel.close()
-    out, err = (
-        buf.decode("utf-8", "replace")
-        + (f"\n[... output truncated: {size[f]} bytes in all, the first {cap} kept]" if size[f] > cap else "")
-        for f, buf in head.items()
-    )
-    return out, err, tail, timed_out
+def _refuse_or_warn(missing: str, allow_unconfined: bool) -> None:
+    global _warned
+    if not allow_unconfined:
+        raise SandboxError(
+            f"the sandbox cannot isolate programs here ({missing}); refusing to run untrusted code. Pass "
+            "allow_unconfined=True to run it with rlimits only (results then say isolated=False)."
+        )
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            f"esbatch.sandbox: running programs WITHOUT isolation ({missing}): they can reach the network, "
+            "your files and, unless you are root, your other processes",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
-def _reason(rc: int, timed_out: bool, stderr_tail: bytes) -> str:
-    if timed_out:
+def _reason(out: Outcome) -> str:
+    if out.timed_out:
         return "timeout"
+    if out.memory_killed:
+        return "memory"
+    rc = out.returncode
     if rc < 0:
         try:
             name = signal.Signals(-rc).name
@@ -259,19 +250,8 @@ def _reason(rc: int, timed_out: bool, stderr_tail: bytes) -> str:
             name = str(-rc)
         return {"SIGXCPU": "cpu limit", "SIGXFSZ": "file size limit"}.get(name, f"killed by signal {name}")
     if rc != 0:
-        return "memory" if b"MemoryError" in stderr_tail else f"exit {rc}"
+        return "memory" if b"MemoryError" in out.stderr_tail else f"exit {rc}"
     return "ok"
-
-
-def _rlimits(cpu_s: int, memory_mb: int, file_size_mb: int, max_procs: int) -> list[tuple[int, int, int]]:
-    mb = 1 << 20
-    return [
-        (resource.RLIMIT_CORE, 0, 0),
-        (resource.RLIMIT_CPU, cpu_s, cpu_s + 1),  # SIGXCPU at cpu_s, SIGKILL a second later if it is caught
-        (resource.RLIMIT_FSIZE, file_size_mb * mb, file_size_mb * mb),
-        (resource.RLIMIT_NPROC, max_procs, max_procs),
-        (resource.RLIMIT_AS, memory_mb * mb, memory_mb * mb),
-    ]
 
 
 def run_python(
@@ -285,57 +265,45 @@ def run_python(
     max_output: int = 64_000,
     network: bool = False,
     python: str | None = None,
+    disk_mb: int | None = None,
+    max_files: int = 2048,
+    allow_unconfined: bool = False,
 ) -> SandboxResult:
-    """Run ``code`` as a script in the sandbox. Whatever the program does is reported in the result; only a
-    sandbox that cannot start (no usable interpreter, exec refused) raises."""
+    """Run ``code`` as a script in the sandbox. Whatever the program does is reported in the result; a
+    sandbox that cannot start (no usable interpreter, exec refused, no isolation without ``allow_unconfined``)
+    raises ``SandboxError`` (a RuntimeError). ``memory_mb`` caps each process and the tree together,
+    ``disk_mb`` (default ``file_size_mb``) and ``max_files`` the working folder."""
+    missing = _probe()[0]
+    if missing is not None:
+        _refuse_or_warn(missing, allow_unconfined)
     exe = python or sandbox_python()
-    isolate = network_isolation_available()
-    limits = _rlimits(cpu_s, memory_mb, file_size_mb, max_procs)
-    workdir = os.path.realpath(tempfile.mkdtemp(prefix="esbatch_sbx_"))  # as /proc/self/mountinfo spells it
+    lim = Limits(timeout_s, cpu_s, memory_mb, file_size_mb, disk_mb or file_size_mb, max_files, max_procs, max_output)
     start = time.monotonic()
-    try:
-        with _lease_uid() as uid:
-            with open(os.path.join(workdir, "main.py"), "w") as f:
-                f.write(code)
-            if uid is not None:
-                os.chown(workdir, uid, uid)
-            env = {"PATH": SAFE_PATH, "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir, "PYTHONHASHSEED": "0"}
-
-            def kill_group() -> None:
-                with suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                if uid is not None:
-                    _kill_uid(uid)
-
-            # -s -B rather than -I: -I implies -E, which would ignore PYTHONHASHSEED; the environment is
-            # replaced wholesale anyway, so the parent's PYTHON* variables never reach the child.
-            proc = subprocess.Popen(
-                [exe, "-s", "-B", "main.py"],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_preexec(workdir, uid, isolate, not network, limits),
-            )
-            try:
-                out, err, tail, timed_out = _collect(proc, start + timeout_s, max_output, kill_group)
-            finally:
-                kill_group()  # while the child is unreaped, so its process group id cannot be reused
-                rc = proc.wait()
-                proc.stdout.close()
-                proc.stderr.close()
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    reason = _reason(rc, timed_out, tail)
-    wall = time.monotonic() - start
-    return SandboxResult(reason == "ok", rc, timed_out, out, err, wall, reason, isolate and not network, uid)
+    if missing is None:
+        out, uid = _isolated_run(code, [exe, "-s", "-B", "main.py"], lim, network)
+    else:
+        workdir = os.path.realpath(tempfile.mkdtemp(prefix="esbatch_sbx_"))
+        try:
+            with lease_uid() as uid:
+                out = run_unconfined(exe, workdir, code, uid, lim)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    reason = _reason(out)
+    peak = None if out.memory_peak is None else out.memory_peak / MB
+    isolated = missing is None
+    return SandboxResult(
+        reason == "ok", out.returncode, out.timed_out, out.stdout, out.stderr, time.monotonic() - start,
+        reason, isolated and not network, uid, isolated, peak,
+    )  # fmt: skip
 
 
 def run_many(programs: list[str], *, workers: int | None = None, **limits) -> list[SandboxResult]:
     """``run_python`` over many programs, one thread driving one child each; results in input order."""
     if not programs:
         return []
-    sandbox_python(), network_isolation_available()  # probe once, before the threads
+    if _probe()[0] is not None:
+        _refuse_or_warn(_probe()[0], limits.get("allow_unconfined", False))
+    if "python" not in limits:
+        sandbox_python()  # probe once, before the threads
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         return list(pool.map(lambda code: run_python(code, **limits), programs))

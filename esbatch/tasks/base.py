@@ -55,6 +55,10 @@ class Task:
     def __init__(self, data_path: str | None = None) -> None:
         self.data_path = data_path
 
+    def tracking_tags(self) -> dict[str, str]:
+        """Tags logged with every run or eval of this task (the code sandbox says how it confines programs)."""
+        return {}
+
     # --- data ------------------------------------------------------------------------------
     def splits(self, n_train: int | None, n_heldout: int, n_demo: int, seed: int) -> dict[str, list[Example]]:
         """{"train", "heldout", "demo"} -> examples; no problem appears in two splits.

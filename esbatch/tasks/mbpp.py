@@ -24,6 +24,7 @@ import sys
 import textwrap
 from typing import Any
 
+from esbatch.sandbox import SandboxError, isolation_report
 from esbatch.tasks.base import SYSTEM_PROMPTS, Example, Task
 from esbatch.tasks.code_check import Limits, TestPlan, check_solutions, harness_program, plan_tests
 from esbatch.tasks.gsm8k import load_rows
@@ -74,11 +75,32 @@ class MBPPTask(Task):
         timeout_s: float = 5.0,
         memory_mb: int = 512,
         workers: int = 0,
+        allow_unconfined: bool = False,
     ) -> None:
+        """``allow_unconfined``: score even where the sandbox cannot isolate programs (namespaces refused by
+        the kernel); otherwise such a machine is refused here, before any training or evaluation starts."""
         super().__init__(data_path)
         self.hub_id, self.hub_config = hub_id, hub_config
         self.train_split, self.heldout_split, self.demo_split = train_split, heldout_split, demo_split
         self.timeout_s, self.memory_mb, self.workers = timeout_s, memory_mb, workers
+        self.allow_unconfined = allow_unconfined
+        report = isolation_report()
+        if not report["isolated"]:
+            if not allow_unconfined:
+                raise SandboxError(
+                    f"mbpp: model-written code cannot be isolated on this machine ({report['missing']}), so it is "
+                    "not run. Enable unprivileged user namespaces, or set task.params.allow_unconfined: true to "
+                    "run it under rlimits only (unsafe for untrusted code; recorded in MLflow as sandbox.isolated)"
+                )
+            print("warning: mbpp runs model-written code UNCONFINED (task.params.allow_unconfined)", file=sys.stderr)
+
+    def tracking_tags(self) -> dict[str, str]:
+        """What confines the generated code here, logged with every run and eval that scores it."""
+        rep = isolation_report()
+        return {
+            "sandbox.allow_unconfined": str(self.allow_unconfined),
+            **{f"sandbox.{k}": str(v) for k, v in rep.items()},
+        }
 
     # --- data ------------------------------------------------------------------------------
     @staticmethod
@@ -157,7 +179,7 @@ class MBPPTask(Task):
             except ValueError as e:  # a dataset row the checker cannot split: nobody can pass it
                 _warn_once(ex.meta.get("task_id"), str(e))
                 verdicts[i] = Verdict.WRONG
-        limits = Limits(self.timeout_s, self.memory_mb, self.workers or None)
+        limits = Limits(self.timeout_s, self.memory_mb, self.workers or None, self.allow_unconfined)
         passed = check_solutions([c for _, c in todo], plans, limits)
         for (i, _), ok in zip(todo, passed):
             verdicts[i] = Verdict.CORRECT if ok else Verdict.WRONG

@@ -80,6 +80,10 @@ class Trainer(ABC):
         """Extra fields of the run summary."""
         return {}
 
+    def tags(self) -> dict[str, str]:
+        """Extra MLflow tags of the run (e.g. how the task's code sandbox confines programs)."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release engines and processes."""
 
@@ -264,6 +268,7 @@ def run_updates(run: RunSession, trainer: Trainer, progress: bool) -> dict[str, 
         run.watchdog = Watchdog(run.cfg.run.hang_timeout_s)
         with run.watchdog.phase("restoring the checkpoint and replaying the log"):
             start, records = _restore(run, trainer)
+        run.tags.update(trainer.tags())
         run.start(total, n_train=trainer.n_train)
         run.log_missing_steps(records)
         _train_loop(run, trainer, start, total, progress)

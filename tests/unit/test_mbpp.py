@@ -174,3 +174,25 @@ def test_params_validate_like_other_tasks():
     assert errors == []
     MBPPTask.check_params({"timeout": 3}, "task.params", errors)
     assert len(errors) == 1 and "timeout_s" in errors[0]
+
+
+def test_code_is_not_run_where_it_cannot_be_isolated_unless_allowed(monkeypatch, capsys):
+    import esbatch.tasks.mbpp as mbpp
+    from esbatch.sandbox import SandboxError
+
+    refused = {"isolated": False, "missing": "unshare(CLONE_NEWUSER): Operation not permitted"}
+    monkeypatch.setattr(mbpp, "isolation_report", lambda: refused)
+    with pytest.raises(SandboxError, match="cannot be isolated on this machine .*allow_unconfined: true"):
+        MBPPTask(str(FIXTURE))
+    task = MBPPTask(str(FIXTURE), allow_unconfined=True)
+    assert "UNCONFINED" in capsys.readouterr().err
+    assert task.tracking_tags() == {
+        "sandbox.allow_unconfined": "True",
+        "sandbox.isolated": "False",
+        "sandbox.missing": refused["missing"],
+    }
+
+
+def test_runs_record_how_the_sandbox_confines_code():
+    tags = MBPPTask(str(FIXTURE)).tracking_tags()
+    assert tags["sandbox.isolated"] == "True" and tags["sandbox.pid_namespace"] == "True"
