@@ -1,0 +1,242 @@
+"""Which runs `esbatch sweep` submits again, table-driven: hand-made run folders (run.json) and hand-picked
+scheduler states, through the real disk_state / combine / run_states / submit_sweep with a launcher double.
+
+The rule (esbatch/launch/submit.py): finished, queued, running and damaged runs are left alone; everything else
+(never started, interrupted, failed, cancelled, timed out, finished under a budget that has since been raised)
+is submitted again and continues from its folder.
+"""
+
+import io
+import json
+
+import pytest
+import yaml
+
+from esbatch.launch import submit
+from esbatch.launch.state import combine, disk_state
+from esbatch.launch.submit import run_states, submit_sweep, write_plan
+from esbatch.launch.sweep import load_sweep
+
+BUDGET = 8  # the plan's es.updates
+
+# name: (run.json written into the run folder, or None: no folder / "damaged": not JSON;
+#        scheduler state of its newest submission (None: unknown to the scheduler);
+#        expected state, expected updates done, submitted again?)
+TABLE = {
+    "new": (None, None, "pending", 0, True),
+    "new-queued": (None, "PENDING", "queued", 0, False),
+    "new-ended-before-start": (None, "COMPLETED", "failed", 0, True),
+    "new-oom": (None, "OUT_OF_MEMORY", "out_of_memory", 0, True),
+    "killed-queued": ({"status": "killed", "done": 3}, "PENDING", "queued", 3, False),
+    "killed-requeued": ({"status": "killed", "done": 3}, "REQUEUED", "queued", 3, False),
+    "killed-idle": ({"status": "killed", "done": 3}, None, "killed", 3, True),
+    "running": ({"status": "running", "done": 2}, "RUNNING", "running", 2, False),
+    "running-vanished": ({"status": "running", "done": 2}, None, "interrupted", 2, True),
+    "running-cancelled": ({"status": "running", "done": 2}, "CANCELLED by 0", "cancelled", 2, True),
+    "running-timeout": ({"status": "running", "done": 5}, "TIMEOUT", "timeout", 5, True),
+    "failed": ({"status": "failed", "done": 1}, "FAILED", "failed", 1, True),
+    "finished": ({"status": "finished", "done": BUDGET}, "COMPLETED", "finished", BUDGET, False),
+    "finished-old-job-failed": ({"status": "finished", "done": BUDGET}, "FAILED", "finished", BUDGET, False),
+    "finished-budget-raised": ({"status": "finished", "done": 4, "total_updates": 4}, None, "interrupted", 4, True),
+    "finished-budget-raised-done-job": (
+        {"status": "finished", "done": 4, "total_updates": 4},
+        "COMPLETED",
+        "interrupted",
+        4,
+        True,
+    ),
+    "finished-budget-raised-queued": ({"status": "finished", "done": 4}, "PENDING", "queued", 4, False),
+    "damaged": ("damaged", None, "damaged", 0, False),
+}
+
+
+class SchedulerDouble:
+    def __init__(self, states):
+        self.states_by_key = states
+
+    def states(self, sd, submissions):
+        return dict(self.states_by_key)
+
+
+class LauncherDouble:
+    foreground = False
+
+    def __init__(self):
+        self.submitted = []
+
+    def submit(self, sd, name, keys):
+        self.submitted.append(list(keys))
+        return [{"job_id": "99", "keys": list(keys)}]
+
+
+@pytest.fixture
+def sweep_with_table(tmp_path, monkeypatch):
+    spec = {
+        "name": "t",
+        "base": "quickstart",
+        "output_dir": str(tmp_path / "out"),
+        "config": {"es": {"updates": BUDGET}},
+        "seeds": list(range(len(TABLE))),
+    }
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    sw = load_sweep(str(tmp_path / "s.yaml"))
+    sd = write_plan(sw)
+    keys = {name: r.key for name, r in zip(TABLE, sw.runs)}
+    sched = {}
+    for name, (meta, state, *_rest) in TABLE.items():
+        if meta is not None:
+            rd = sd.run_dir(keys[name])
+            rd.path.mkdir(parents=True)
+            rd.config.write_text(sd.plan_path(keys[name]).read_text())
+            rd.meta.write_text("{not json" if meta == "damaged" else json.dumps({**meta, "last_reward": 0.5}))
+        if state is not None:
+            sched[keys[name]] = state
+    with sd.locked() as m:
+        m["submissions"] = [{"kind": "double", "job_id": "7", "keys": list(keys.values()), "time": "now"}]
+    monkeypatch.setattr(submit, "_launcher", lambda kind: SchedulerDouble(sched))
+    return sw, sd, keys
+
+
+def test_run_states_table(sweep_with_table):
+    _, sd, keys = sweep_with_table
+    got = {s.key: s for s in run_states(sd)}
+    for name, (_, sched, want, done, _) in TABLE.items():
+        s = got[keys[name]]
+        assert (s.state, s.done, s.scheduler) == (want, done, sched), name
+        assert s.total == BUDGET, name  # the plan's budget, also where the run recorded a smaller one
+        if sched is not None:
+            assert s.job == f"7_{list(keys).index(name)}", name
+
+
+def test_submit_sweep_resubmits_exactly_the_unfinished_and_inactive_runs(sweep_with_table, monkeypatch):
+    sw, _, keys = sweep_with_table
+    launcher = LauncherDouble()
+    monkeypatch.setattr(submit, "launcher_for", lambda profile: launcher)
+    out = io.StringIO()
+    assert submit_sweep(sw, out=out) == 0
+    want = [keys[name] for name, row in TABLE.items() if row[4]]
+    assert launcher.submitted == [want]
+    assert "damaged, not resubmitted" in out.getvalue()
+
+
+def test_finished_run_reopens_when_its_plan_budget_grows(tmp_path):
+    from esbatch.config import config_from_dict
+    from esbatch.train.rundir import RunDir
+
+    def plan(updates):
+        return config_from_dict({"model": {"name": "nobody/no-model"}, "es": {"updates": updates}})
+
+    rd = RunDir(tmp_path / "r")
+    rd.path.mkdir()
+    rd.config.write_text("x: 1\n")
+    rd.write_meta(status="finished", done=4, total_updates=4, last_reward=0.25, last_heldout=0.5)
+    assert disk_state(rd, plan(4)) == ("finished", 4, 4, 0.25, 0.5)
+    assert disk_state(rd, plan(6)) == ("interrupted", 4, 6, 0.25, 0.5)
+    assert disk_state(rd, plan(3)) == ("finished", 4, 3, 0.25, 0.5)  # a smaller budget does not undo updates
+    assert disk_state(RunDir(tmp_path / "none"), plan(6)) == ("pending", 0, 6, None, None)
+
+
+@pytest.mark.parametrize(
+    "disk, sched, want",
+    [
+        (disk, sched, want)
+        for disk in ("pending", "killed", "interrupted", "failed", "running")
+        for sched, want in [
+            ("PENDING", "queued"),
+            ("REQUEUED", "queued"),
+            ("CONFIGURING", "queued"),
+            ("SUSPENDED", "queued"),
+            ("COMPLETING", "queued"),
+        ]
+    ]
+    + [
+        ("killed", "RUNNING", "running"),
+        ("interrupted", "RUNNING", "running"),
+        ("pending", "RUNNING", "queued"),  # a job has started but no trainer has written the folder yet
+        ("finished", "PENDING", "finished"),
+        ("finished", None, "finished"),
+        ("interrupted", None, "interrupted"),
+        ("running", "COMPLETED", "interrupted"),
+        ("running", "NODE_FAIL", "node_fail"),
+        ("pending", "CANCELLED by 12", "cancelled"),
+        ("damaged", None, "damaged"),
+    ],
+)
+def test_combine_table(disk, sched, want):
+    assert combine(disk, sched) == want
+    assert (want in submit.DONE_OR_ACTIVE) == (want in ("finished", "queued", "running", "damaged"))
+
+
+def _es_plan(**es):
+    from esbatch.config import config_from_dict
+
+    return config_from_dict({"model": {"name": "nobody/no-model"}, "es": {"batch_size": 4, **es}})
+
+
+def _folder(path, meta):
+    from esbatch.train.rundir import RunDir
+
+    rd = RunDir(path)
+    rd.path.mkdir(parents=True)
+    rd.config.write_text("x: 1\n")
+    rd.meta.write_text(json.dumps(meta))
+    return rd
+
+
+def test_epoch_budgets_come_from_the_training_set_size_the_run_recorded(tmp_path):
+    from esbatch.train.rundir import RunDir
+
+    plan = _es_plan(epochs=2.0)  # 10 problems, B = 4: ceil(10 / 4) = 3 updates per epoch -> 6
+    rd = _folder(tmp_path / "a", {"status": "finished", "done": 6, "n_train": 10, "last_reward": 0.5})
+    assert disk_state(rd, plan)[:3] == ("finished", 6, 6)
+    rd = _folder(tmp_path / "b", {"status": "finished", "done": 3, "n_train": 10, "total_updates": 3})
+    assert disk_state(rd, plan)[:3] == ("interrupted", 3, 6)
+    rd = _folder(tmp_path / "c", {"status": "killed", "done": 1, "total_updates": 5})  # no n_train: the record
+    assert disk_state(rd, plan)[:3] == ("killed", 1, 5)
+    assert disk_state(RunDir(tmp_path / "none"), plan) == ("pending", 0, None, None, None)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.yaml").write_text("x: 1\n")
+    (tmp_path / "d" / "run.json").write_text("[1, 2]")
+    assert disk_state(RunDir(tmp_path / "d"), plan) == ("damaged", 0, None, None, None)
+
+
+def test_folder_without_status_or_kept_scores_reads_them_from_the_logs(tmp_path):
+    from esbatch.train.rundir import RunDir
+
+    rd = RunDir(tmp_path / "old")
+    rd.path.mkdir()
+    rd.config.write_text("x: 1\n")
+    for t, r in enumerate([0.1, 0.2, 0.3]):
+        rd.append_update({"t": t, "metrics": {"reward/mean": r}})
+    rd.append_eval({"t": 2, "heldout/accuracy": 0.5})
+    rd.append_eval({"t": 0, "heldout/accuracy": 0.25})  # written late: the newest t counts, not the last line
+    # no run.json at all: status running (an old folder), progress from the log
+    assert disk_state(rd, _es_plan(updates=5)) == ("running", 3, 5, 0.3, 0.5)
+    rd.write_meta(done=3)
+    assert disk_state(rd, _es_plan(updates=5)) == ("running", 3, 5, 0.3, 0.5)
+    fresh = _folder(tmp_path / "fresh", {"status": "killed", "done": 0})
+    assert disk_state(fresh, _es_plan(updates=5)) == ("killed", 0, 5, None, None)
+
+
+def test_sweep_folder_layout_and_damaged_sweep_record(tmp_path):
+    from esbatch.launch.state import SweepDir, now
+    from esbatch.train.rundir import RunFolderError
+
+    sd = SweepDir(tmp_path)
+    assert (sd.meta_path, sd.plan, sd.runs, sd.slurm, sd.results) == tuple(
+        tmp_path / n for n in ("sweep.json", "plan", "runs", "slurm", "results")
+    )
+    assert sd.read() == {} and sd.last_submission() == {}
+    sd.meta_path.write_text(json.dumps({"name": "t"}))
+    assert sd.last_submission() == {}
+    for text, why in [
+        ("[1]", r"\(expected a JSON object, got list\)"),
+        ('{"runs": 3}', r"\(its 'runs' is not a list\)"),
+        ("{", r"\(Expecting property name enclosed in double quotes: line 1 column 2 \(char 1\)\)"),
+    ]:
+        sd.meta_path.write_text(text)
+        with pytest.raises(RunFolderError, match=r"not a valid sweep record " + why + r"[\s\S]*cancel them first\)\.$"):
+            sd.read()
+    import re
+
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}", now())
