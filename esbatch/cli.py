@@ -237,9 +237,16 @@ def _sweep_dir(arg: str, name: str | None = None) -> Path:
     p = Path(arg)
     if (p / "sweep.json").exists():
         return p
+    from esbatch.config import ConfigError
     from esbatch.launch.sweep import load_sweep
 
-    return load_sweep(arg, name=name).dir
+    try:
+        return load_sweep(arg, name=name).dir
+    except ConfigError:
+        ran = Path("esbatch-runs") / arg  # a sweep run under --name NAME in the default output folder
+        if name is None and (ran / "sweep.json").exists():
+            return ran
+        raise
 
 
 def cmd_status(args: argparse.Namespace) -> int:
