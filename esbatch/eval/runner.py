@@ -22,7 +22,7 @@ from esbatch.config.eval import EvalConfig, EvalTask
 from esbatch.metrics import mean_metrics, pass_at_k, problem_metrics
 from esbatch.tasks.verify import guarded_answer_key, guarded_score, guarded_score_many
 from esbatch.train import stop
-from esbatch.train.rundir import RunDir
+from esbatch.train.rundir import RunDir, read_jsonl
 
 
 @dataclass
@@ -122,20 +122,7 @@ class EvalDir:
 
     def _scan(self, label: str) -> tuple[list[dict[str, Any]], int]:
         """(rows, bytes of complete lines) up to the first torn or corrupt line. Reads only."""
-        f = self.sample_file(label)
-        if not f.exists():
-            return [], 0
-        rows, good = [], 0
-        with open(f, "rb") as fh:
-            for line in fh:
-                if not line.endswith(b"\n"):
-                    break
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break
-                good += len(line)
-        return rows, good
+        return read_jsonl(self.sample_file(label))
 
     def read_samples(self, label: str) -> list[dict[str, Any]]:
         """The complete rows; never changes the file (tables and --recompute only read)."""

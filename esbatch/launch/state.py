@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from esbatch.train.rundir import RunDir, RunFolderError
+from esbatch.train.rundir import RunDir, RunFolderError, read_json_object
 
 # Scheduler states (SLURM's words) that mean "still queued or running": such runs are never resubmitted.
 ACTIVE_STATES = {
@@ -66,23 +66,14 @@ class SweepDir:
             os.replace(tmp, self.meta_path)
 
     def read(self) -> dict[str, Any]:
-        if not self.meta_path.exists():
-            return {}
-        try:
-            meta = json.loads(self.meta_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            meta, why = None, str(e)
-        else:
-            why = f"expected a JSON object, got {type(meta).__name__}"
-        if not isinstance(meta, dict) or not isinstance(meta.get("runs", []), list):
-            why = why if not isinstance(meta, dict) else "its 'runs' is not a list"
-            raise RunFolderError(
-                f"{self.meta_path}: not a valid sweep record ({why}). Move it aside (mv {self.meta_path} "
-                f"{self.meta_path}.damaged) and submit the sweep file again: the plan is rewritten and the run "
-                f"folders in {self.runs} are kept and resumed (jobs it had queued are no longer tracked: cancel "
-                "them first)."
-            )
-        return meta
+        return read_json_object(
+            self.meta_path,
+            "a valid sweep record",
+            f"Move it aside (mv {self.meta_path} {self.meta_path}.damaged) and submit the sweep file again: the "
+            f"plan is rewritten and the run folders in {self.runs} are kept and resumed (jobs it had queued are no "
+            "longer tracked: cancel them first).",
+            valid=lambda m: "" if isinstance(m.get("runs", []), list) else "its 'runs' is not a list",
+        )
 
     def run_dir(self, key: str) -> RunDir:
         return RunDir(self.runs / key)

@@ -28,8 +28,43 @@ if TYPE_CHECKING:  # torch is imported lazily: `esbatch status` reads run folder
     import torch
 
 
-class RunFolderError(Exception):
+class RunFolderError(RuntimeError):
     """A run folder whose files do not add up; the message names the file and says what to do."""
+
+
+def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """(records, bytes of complete lines) of a JSONL file, stopping at a torn or corrupt line. Reads only."""
+    if not path.exists():
+        return [], 0
+    out, good = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+            good += len(line)
+    return out, good
+
+
+def read_json_object(path: Path, what: str, fix: str, valid: Any = None) -> dict[str, Any]:
+    """A JSON object file ({} when missing); anything else is a RunFolderError naming the file, why and ``fix``.
+    ``valid(obj)`` may return a further reason the object is not what it should be."""
+    if not path.exists():
+        return {}
+    try:
+        obj = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        obj, why = None, str(e)
+    else:
+        why = f"expected a JSON object, got {type(obj).__name__}"
+    if isinstance(obj, dict):
+        why = valid(obj) if valid else ""
+        if not why:
+            return obj
+    raise RunFolderError(f"{path}: not {what} ({why}). {fix}")
 
 
 @dataclass
@@ -85,23 +120,6 @@ class RunDir:
             os.fsync(f.fileno())
 
     @staticmethod
-    def _read(path: Path) -> tuple[list[dict[str, Any]], int]:
-        """(records, bytes of complete lines) of a JSONL file, stopping at a torn or corrupt line. Reads only."""
-        if not path.exists():
-            return [], 0
-        out, good = [], 0
-        with open(path, "rb") as f:
-            for line in f:
-                if not line.endswith(b"\n"):
-                    break
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break
-                good += len(line)
-        return out, good
-
-    @staticmethod
     def _cut(path: Path, good: int) -> None:
         if path.exists() and good != path.stat().st_size:
             with open(path, "r+b") as f:
@@ -111,7 +129,7 @@ class RunDir:
         self._append(self.log, record)
 
     def updates(self) -> list[dict[str, Any]]:
-        recs, _ = self._read(self.log)
+        recs, _ = read_jsonl(self.log)
         for i, r in enumerate(recs):
             if not isinstance(r, dict) or r.get("t") != i:
                 got = r.get("t") if isinstance(r, dict) else r
@@ -200,7 +218,7 @@ class RunDir:
     def repair_log(self) -> None:
         """Cut a torn last line of the logs (a writer killed mid-line) so appends stay valid JSONL; trainers only."""
         for path in (self.log, self.eval_log):
-            self._cut(path, self._read(path)[1])
+            self._cut(path, read_jsonl(path)[1])
 
     def discard_updates_after(self, t: int) -> None:
         """Move log lines of updates >= t (done after the newest checkpoint, so lost) to log.discarded.jsonl."""
@@ -217,7 +235,7 @@ class RunDir:
         self._append(self.eval_log, record)
 
     def evals(self) -> list[dict[str, Any]]:
-        return self._read(self.eval_log)[0]
+        return read_jsonl(self.eval_log)[0]
 
     # ---------------------------------------------------------------- center checkpoint
     def save_center(self, state: dict[str, torch.Tensor], t: int) -> None:
@@ -278,20 +296,12 @@ class RunDir:
 
     # ---------------------------------------------------------------- metadata
     def read_meta(self) -> dict[str, Any]:
-        if not self.meta.exists():
-            return {}
-        try:
-            meta = json.loads(self.meta.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            meta, why = None, str(e)
-        else:
-            why = f"expected a JSON object, got {type(meta).__name__}"
-        if not isinstance(meta, dict):
-            raise RunFolderError(
-                f"{self.meta}: not valid run metadata ({why}). It holds the run's status and MLflow run id; "
-                f"restore it from a backup, or delete it and resume (the run then opens a new MLflow run)."
-            )
-        return meta
+        return read_json_object(
+            self.meta,
+            "valid run metadata",
+            "It holds the run's status and MLflow run id; restore it from a backup, or delete it and resume (the "
+            "run then opens a new MLflow run).",
+        )
 
     def write_meta(self, **fields: Any) -> None:
         meta = {**self.read_meta(), **fields}
@@ -304,4 +314,4 @@ class RunDir:
         meta = self.read_meta()
         if "done" in meta:
             return int(meta["done"])
-        return len(self._read(self.log)[0])
+        return len(read_jsonl(self.log)[0])

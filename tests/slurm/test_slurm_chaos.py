@@ -36,6 +36,14 @@ def hit(task: str, action: str) -> None:
     subprocess.run(cmd, capture_output=True, text=True, timeout=30)
 
 
+def finished_or_idle(tmp: Path, sweep_dir: Path) -> str | None:
+    """ "finished" once every run is, "idle" when none is queued or running (resubmit then), else None."""
+    out, _ = cli(tmp, "status", str(sweep_dir))
+    if f"{RUNS} runs: {RUNS} finished" in out:
+        return "finished"
+    return None if ("running" in out or "queued" in out) else "idle"
+
+
 def reference_centers(sweep_dir: Path, tmp: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Each planned run trained undisturbed, in this process, from the same plan file."""
     sd, out = SweepDir(sweep_dir), {}
@@ -63,8 +71,11 @@ def test_kills_requeues_and_usr2_at_random_lose_nothing(tmp_path, tiny_model_dir
     tasks_hit: set[str] = set()
     while True:
         out, calls = cli(tmp_path, "sweep", str(path))
-        if "nothing to submit" in out:
-            break
+        if "nothing to submit" in out:  # finished, or still active (a requeued task waiting for its restart)
+            status = wait_for(lambda: finished_or_idle(tmp_path, sweep_dir), 600, "the active runs to end")
+            if status == "finished":
+                break
+            continue
         rounds += 1
         assert rounds <= 4, out
         job = json.loads((sweep_dir / "sweep.json").read_text())["submissions"][-1]["job_id"]
