@@ -144,6 +144,9 @@ def test_cancel_stops_a_local_sweep_from_another_shell(tmp_path, tiny_model_dir)
     spec = yaml.safe_load(path.read_text())
     spec["launcher_overrides"] = {"array_parallelism": 1}
     path.write_text(yaml.safe_dump(spec))
+    base = yaml.safe_load((tmp_path / "base.yaml").read_text())
+    base["es"]["updates"] = 400  # long enough that the cancel lands while the first run trains, also under load
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "esbatch", "sweep", str(path)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
