@@ -238,12 +238,13 @@ def _sweep_dir(arg: str, name: str | None = None) -> Path:
     if (p / "sweep.json").exists():
         return p
     from esbatch.config import ConfigError
+    from esbatch.config.run import RunConfig
     from esbatch.launch.sweep import load_sweep
 
     try:
         return load_sweep(arg, name=name).dir
     except ConfigError:
-        ran = Path("esbatch-runs") / arg  # a sweep run under --name NAME in the default output folder
+        ran = Path(RunConfig().output_dir) / arg  # a sweep run under --name NAME in the default output folder
         if name is None and (ran / "sweep.json").exists():
             return ran
         raise
