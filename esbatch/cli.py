@@ -51,8 +51,10 @@ def _train_config(args: argparse.Namespace) -> tuple[Any, Path] | int:
             f"start a new run instead. On resume you may set: {', '.join(sorted(RESUME_OVERRIDABLE))}"
         )
     cfg = load_config(str(rd.config), args.overrides)
-    if args.overrides:
-        rd.config.write_text(cfg.to_yaml())
+    if args.overrides:  # atomically: the other ranks of a torchrun job read this file at the same moment
+        tmp = rd.config.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(cfg.to_yaml())
+        os.replace(tmp, rd.config)
     return cfg, rd.path
 
 
