@@ -48,11 +48,14 @@ def stage_configs(
     out = []
     prev = cfg.model.init_weights
     budgets = stage_budgets(cfg.pipeline.updates, len(cfg.pipeline.stages), cfg.pipeline.split)
+    before: list[list[int]] = []  # one data stream: each stage continues where the previous one stopped
     for k, (algo, n) in enumerate(zip(cfg.pipeline.stages, budgets), 1):
         sc = copy.deepcopy(cfg)
         sc.algorithm = algo
         section = getattr(sc, ALGORITHMS.get(algo).section)
         section.updates, section.epochs = n, None
+        sc.run.data_before = [list(x) for x in before]
+        before.append([n, section.batch_size])
         sc.model.init_weights = prev
         rd = RunDir(run_dir).stage(k, algo)
         sc.run.output_dir, sc.run.name = str(run_dir), rd.path.name

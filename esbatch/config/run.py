@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from esbatch.config.loader import find, read_yaml
-from esbatch.config.schema import ConfigError, Schema, build, deep_merge, flatten, folder_name, setting
+from esbatch.config.schema import ConfigError, Schema, build, deep_merge, flatten, folder_name, setting, stage_spans
 
 # What a resumed run may change: budgets and bookkeeping, never what the logged updates depend on.
 RESUME_OVERRIDABLE = {
@@ -49,6 +49,12 @@ class RunConfig:
         "Processes on this node; torchrun is started for > 1. ES: the population is split over them (only "
         "rewards are exchanged). GRPO: data-parallel ranks.",
         ge=1,
+    )
+    data_before: list = setting(
+        [],
+        "Data schedule consumed by earlier pipeline stages, [[updates, batch_size], ...]: this run continues the "
+        "same shuffled stream instead of restarting it (set by the pipeline; empty for a single run).",
+        check=stage_spans,
     )
     hang_timeout_s: float = setting(
         3600.0,

@@ -70,6 +70,21 @@ def folder_name(v: Any) -> str:
     return v
 
 
+def stage_spans(v: Any) -> list:
+    """run.data_before: [[updates, batch_size], ...] with positive integers (updates may be 0)."""
+    ok = isinstance(v, list) and all(
+        isinstance(x, list)
+        and len(x) == 2
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+        and x[0] >= 0
+        and x[1] >= 1
+        for x in v
+    )
+    if not ok:
+        raise Invalid(f"expected [[updates, batch_size], ...] with updates >= 0 and batch_size >= 1; got {v!r}")
+    return v
+
+
 def setting(default: Any = REQUIRED, help: str = "", **checks: Any) -> Any:
     """A schema field: default, help text, and constraints (choices, gt, ge, lt, le, check)."""
     meta = {"help": help, **checks}

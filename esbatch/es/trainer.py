@@ -22,7 +22,7 @@ from esbatch.train.lifecycle import Trainer
 from esbatch.train.problems import Problems, evaluate_heldout, load_problems, reward_of
 from esbatch.train.ranks import Ranks
 from esbatch.train.rundir import RunDir
-from esbatch.train.schedule import batch_indices
+from esbatch.train.schedule import batch_indices, schedule_start
 
 SINGLE = Ranks()  # one process: no torch.distributed
 
@@ -35,7 +35,8 @@ def es_step(cfg: Any, backend: ESBackend, probs: Problems, t: int, ranks: Ranks 
     """
     es, gen = cfg.es, cfg.generation
     sampling = SamplingParams(gen.temperature, gen.top_p, gen.max_new_tokens)
-    epoch, idx = batch_indices(cfg.run.seed, t, len(probs.train), es.batch_size)
+    n = len(probs.train)
+    epoch, idx = batch_indices(cfg.run.seed, t, n, es.batch_size, schedule_start(n, cfg.run.data_before))
     prompts = [probs.train_prompts[i] for i in idx]
     members = draw_population(cfg.run.seed, t, es.population_size, es.estimator, es.generation_seeds)
     mine = ranks.mine(len(members))

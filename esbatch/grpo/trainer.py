@@ -29,7 +29,7 @@ from esbatch.train.lifecycle import Trainer
 from esbatch.train.problems import evaluate_heldout, load_problems, reward_of
 from esbatch.train.ranks import Ranks
 from esbatch.train.rundir import RunDir
-from esbatch.train.schedule import batch_indices
+from esbatch.train.schedule import batch_indices, schedule_start
 
 
 def init_distributed(device: str, timeout_min: float = 30.0) -> Ranks:
@@ -120,7 +120,8 @@ class GRPOTrainer(Trainer):
     def step(self, t: int) -> dict[str, Any]:
         """One GRPO step on this rank's share of the batch; the record holds metrics averaged over ranks."""
         cfg, g = self.cfg, self.cfg.grpo
-        _, idx = batch_indices(cfg.run.seed, t, len(self.probs.train), g.batch_size)
+        n = len(self.probs.train)
+        _, idx = batch_indices(cfg.run.seed, t, n, g.batch_size, schedule_start(n, cfg.run.data_before))
         mine = idx[self.ranks.rank :: self.ranks.world] or idx[:1]  # a short tail batch: idle ranks repeat a
         weight = 1.0 if idx[self.ranks.rank :: self.ranks.world] else 0.0  # prompt, with weight 0 below
         t0 = time.perf_counter()

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from toy import run_esbatch, toy_config
 
 from esbatch.config import ConfigError, config_from_dict
-from esbatch.pipeline import stage_budgets
+from esbatch.pipeline import stage_budgets, stage_configs
+from esbatch.train.schedule import batch_indices, schedule_start
 
 
 @pytest.mark.parametrize(
@@ -27,6 +28,26 @@ def test_pipeline_config_errors():
     msg = str(e.value)
     assert "pipeline.stages: expected a list of es / grpo" in msg and "pipeline.updates: set the total" in msg
     assert "pipeline.split: expected 2 positive shares" in msg
+
+
+def test_stages_continue_one_data_schedule(tmp_path):
+    """ES (B=4) -> GRPO (B=4) over 6 updates sees the batches one 6-update run sees: the GRPO stage starts
+    where the ES stage stopped (before the fix both stages began at the stream's start with the same seed)."""
+    cfg = config_from_dict(
+        {
+            "algorithm": "pipeline",
+            "pipeline": {"stages": ["es", "grpo"], "updates": 6, "split": [1, 2]},
+            "es": {"batch_size": 4},
+            "grpo": {"batch_size": 4},
+        }
+    )
+    (_, s1), (_, s2) = stage_configs(cfg, tmp_path / "p", None)
+    assert s1.run.data_before == [] and s2.run.data_before == [[2, 4]]
+    n, seed = 10, cfg.run.seed
+    single = [batch_indices(seed, t, n, 4)[1] for t in range(6)]
+    es_part = [batch_indices(seed, t, n, 4, schedule_start(n, s1.run.data_before))[1] for t in range(2)]
+    grpo_part = [batch_indices(seed, t, n, 4, schedule_start(n, s2.run.data_before))[1] for t in range(4)]
+    assert es_part + grpo_part == single
 
 
 def test_es_then_grpo_pipeline(tmp_path, tiny_model_dir):
@@ -53,6 +74,7 @@ def test_es_then_grpo_pipeline(tmp_path, tiny_model_dir):
     # the GRPO stage started from the ES stage's center
     stage2 = yaml.safe_load((rd / "stage2-grpo" / "config.yaml").read_text())
     assert stage2["model"]["init_weights"] == str(rd / "stage1-es" / "center.safetensors")
+    assert stage2["run"]["data_before"] == [[2, cfg["es"]["batch_size"]]]  # the data stream continues
     es_center = load_file(str(rd / "stage1-es" / "center.safetensors"))
     final = load_file(str(rd / "stage2-grpo" / "center.safetensors"))
     assert any(not torch.equal(es_center[k], final[k]) for k in final)
