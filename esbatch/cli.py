@@ -168,7 +168,8 @@ def _validate_one(path: Path, kind: str, overrides: list[str]) -> str:
         from esbatch.launch.sweep import load_sweep
 
         sw = load_sweep(str(path), overrides=overrides)
-        return f"{noun(kind)} {sw.name}: {len(sw.runs)} runs, launcher {sw.launcher}"
+        evals = f", {len(sw.evals)} evals" if sw.evals else ""
+        return f"{noun(kind)} {sw.name}: {len(sw.runs)} runs{evals}, launcher {sw.launcher}"
     if kind == "launcher":
         from esbatch.config.launcher import load_profile
 

@@ -8,7 +8,14 @@ grid:                             # cartesian product (W&B-style {values: [...]}
 zip:                              # values that go together, one group per entry
   - model.name: [qwen2.5-0.5b-instruct, qwen2.5-1.5b-instruct]
     es.sigma: [0.001, 0.0005]
+methods:                          # named variants, one more axis: each is overrides merged into the base
+  ES: {algorithm: es}
+  ES->GRPO: {algorithm: pipeline, pipeline: {stages: [es, grpo]}}
 seeds: [0]                        # run.seed values (another grid axis)
+evaluate:                         # after training: evaluate every final model (and each base model)
+  config: eval-easy               #   an eval config (built-in name or a path relative to this file)
+  base_models: true               #   also evaluate each distinct model before training
+  train_task: GSM8K               #   the suite's training task: left out of the held-out average
 launcher: a100                    # a launcher profile; fields overridable below
 launcher_overrides: {time: "12:00:00"}
 aggregate: [...]                  # tables and plots (esbatch/config/aggregate.py)
@@ -24,6 +31,23 @@ from esbatch.config.schema import ConfigError, Schema, folder_name, setting
 
 
 @dataclass
+class EvaluateSpec(Schema):
+    """The evaluation phase of a sweep (paper RQ1: every final model and its base model on one suite)."""
+
+    config: str = setting(help="Eval config: a built-in name (`esbatch ls`) or a path relative to the sweep file.")
+    base_models: bool = setting(True, "Also evaluate each distinct base model (the tables' Base rows and deltas).")
+    train_task: str | None = setting(
+        None, "Label of the suite's training task: shown, but left out of the average over held-out tasks."
+    )
+    set: dict = setting({}, "Overrides of the eval config for this sweep, e.g. {sampling: {n: 8}}.")
+    models: list = setting(
+        [],
+        "Models evaluated without training here (a released checkpoint): [{method: GRPO, model: {name: PATH}, "
+        "as: MODEL}]; `as` is the model name its row is tabulated under (default: model.name).",
+    )
+
+
+@dataclass
 class SweepFile(Schema):
     unknown_key: ClassVar[str] = "unknown sweep key"
 
@@ -33,7 +57,17 @@ class SweepFile(Schema):
     config: dict = setting({}, "Nested overrides applied to every run.")
     grid: dict = setting({}, "{config.key: [values]}: the cartesian product of the lists.")
     zip: list = setting([], "[{config.key: [values], ...}]: keys in one group vary together.")
+    methods: dict = setting(
+        {},
+        "{name: {config overrides}}: named variants, one more axis (e.g. ES, GRPO, ES->GRPO); the name is the "
+        "run's `method` in labels and tables.",
+    )
     seeds: list | None = setting(None, "run.seed values, one more grid axis.")
+    evaluate: EvaluateSpec | None = setting(
+        None,
+        "Evaluate every trained run's final model (and the base models) as jobs that start when their training "
+        "ends (docs/sweeps-and-slurm.md).",
+    )
     launcher: str | None = setting(None, "Launcher profile name or path (default: local).")
     launcher_overrides: dict = setting({}, "Fields of the launcher profile changed for this sweep.")
     output_dir: str | None = setting(None, "Where the sweep folder goes (default: the base config's run.output_dir).")

@@ -410,10 +410,11 @@ def log_to_mlflow(cfg: EvalConfig, ed: EvalDir, src: WeightsSource, summary: dic
     uri = src.parent_uri or cfg.tracking.uri or default_tracking_uri(cfg.output_dir)
     experiment = cfg.tracking.experiment
     tags = {**run_tags(), "esbatch.kind": "eval", "eval.source": src.description, **_task_tags(cfg)}
-    if src.parent_run_id:
-        parent = MlflowClient(tracking_uri=uri).get_run(src.parent_run_id)
+    parent_id = src.parent_run_id or cfg.tracking.parent_run_id  # a trained run, or a sweep (base models)
+    if parent_id:
+        parent = MlflowClient(tracking_uri=uri).get_run(parent_id)
         experiment = MlflowClient(tracking_uri=uri).get_experiment(parent.info.experiment_id).name
-        tags["mlflow.parentRunId"] = src.parent_run_id
+        tags["mlflow.parentRunId"] = parent_id
     tr = MLflowTracker(uri, experiment, Path(cfg.output_dir) / "mlartifacts")
     meta_path = ed.path / "mlflow.json"
     prev = json.loads(meta_path.read_text()) if meta_path.exists() else {}

@@ -24,8 +24,12 @@ class Launcher(ABC):
         self.profile = profile
 
     @abstractmethod
-    def submit(self, sd: SweepDir, name: str, keys: list[str]) -> list[dict[str, Any]]:
-        """Start ``keys`` (recording each submission in sweep.json as it is made); returns the records."""
+    def submit(
+        self, sd: SweepDir, name: str, keys: list[str], after: dict[str, str] | None = None
+    ) -> list[dict[str, Any]]:
+        """Start ``keys`` (recording each submission in sweep.json as it is made); returns the records.
+
+        ``after`` maps a key to the key whose task must end successfully first (an eval after its training)."""
 
     @abstractmethod
     def states(self, sd: SweepDir, submissions: list[dict[str, Any]]) -> dict[str, str]:

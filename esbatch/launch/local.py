@@ -30,9 +30,14 @@ class LocalLauncher(Launcher):
         super().__init__(profile)
         self.tick = tick
 
-    def submit(self, sd: SweepDir, name: str, keys: list[str]) -> list[dict[str, Any]]:
-        """Run ``keys``; returns the submission record with each task's exit code."""
+    def submit(
+        self, sd: SweepDir, name: str, keys: list[str], after: dict[str, str] | None = None
+    ) -> list[dict[str, Any]]:
+        """Run ``keys`` (a key in ``after`` once its dependency exited 0); returns the submission record with
+        each task's exit code and the keys ``held_back`` because their dependency failed."""
         record = {"kind": "local", "job_id": f"local-{os.getpid()}", "keys": keys, "time": now(), "pids": {}}
+        if after:
+            record["after"] = dict(after)
         with sd.locked() as meta:  # recorded up front so `esbatch status` elsewhere sees the live pids
             meta.setdefault("submissions", []).append(record)
             slot = len(meta["submissions"]) - 1
@@ -52,9 +57,12 @@ class LocalLauncher(Launcher):
 
     def _run(self, sd: SweepDir, keys: list[str], record: dict, codes: dict, save: Callable[[], None]) -> None:
         queue, live, told = list(keys), {}, False
+        after = record.get("after", {})
         while queue or live:
-            while queue and len(live) < self.profile.array_parallelism and not stop.requested():
-                key = queue.pop(0)
+            while len(live) < self.profile.array_parallelism and not stop.requested():
+                key = self._next(queue, after, codes, live, record)
+                if key is None:
+                    break
                 live[key] = self._start(sd, key)
                 record["pids"][key] = live[key].pid
                 save()
@@ -70,11 +78,25 @@ class LocalLauncher(Launcher):
                 self.tick()
             time.sleep(0.5)
 
+    @staticmethod
+    def _next(queue: list[str], after: dict, codes: dict, live: dict, record: dict) -> str | None:
+        """The first queued key whose dependency (if any) ended with exit 0; drops those whose dependency
+        failed (recorded as ``held_back``)."""
+        for key in list(queue):
+            dep = after.get(key)
+            if dep is None or codes.get(dep) == 0:
+                queue.remove(key)
+                return key
+            if dep in codes or (dep not in live and dep not in queue):
+                queue.remove(key)  # its training failed (or was never started here): the eval cannot run
+                record.setdefault("held_back", []).append(key)
+        return None
+
     def _start(self, sd: SweepDir, key: str) -> subprocess.Popen:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in self.profile.container.env.items()}}
         if self.profile.cpus_per_task and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(self.profile.cpus_per_task)
-        log_path = sd.run_dir(key).task_log
+        log_path = sd.task_log(key)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "a") as log:
             return subprocess.Popen(

@@ -2,7 +2,8 @@
 
 Each array task runs ``SweepTask(sweep_dir)(key)`` with submitit's python command, which is replaced by
 ``apptainer exec --nv --bind ... IMAGE python`` (or ``docker run ...``) when the profile names a container.
-An aggregator job (``esbatch aggregate``) waits on the arrays with ``--dependency=afterok``.
+An aggregator job (``esbatch aggregate``) waits on the arrays with ``--dependency=afterok``. A sweep's evals
+(esbatch/launch/evals.py) go in arrays whose task i waits for training task i (``--dependency=aftercorr``).
 
 ``--dry-run`` prints the sbatch script submitit will write, made by submitit's own (private)
 ``_make_sbatch_string``: submitit is pinned (pyproject.toml) and tests/unit/test_sweep.py fails when the
@@ -115,20 +116,58 @@ def _executor(profile: LauncherProfile, sd: SweepDir, job_name: str) -> Any:
     return ex
 
 
-def submit(profile: LauncherProfile, sd: SweepDir, name: str, keys: list[str]) -> list[dict[str, Any]]:
-    """Submit ``keys`` as array job(s) (+ the afterok aggregator job); returns submission records."""
-    from esbatch.launch.task import CLIJob, SweepTask
+def _array(
+    profile: LauncherProfile, sd: SweepDir, job_name: str, keys: list[str], dependency: str | None = None
+) -> dict[str, Any]:
+    """One array job running ``SweepTask(sweep)(key)`` per key; returns its submission record."""
+    from esbatch.launch.task import SweepTask
 
+    ex = _executor(profile, sd, job_name)
+    if dependency:
+        extra = {**(profile.extra_sbatch or {}), "dependency": dependency, "kill-on-invalid-dep": "yes"}
+        ex.update_parameters(additional_parameters=extra)
+    jobs = ex.map_array(SweepTask(str(sd.path)), keys)
+    array = "_" in jobs[0].job_id  # submitit submits a one-element "array" as a plain job (id without _index)
+    record = {"kind": "slurm", "job_id": jobs[0].job_id.split("_")[0], "array": array, "keys": keys, "time": now()}
+    return {**record, "dependency": dependency} if dependency else record
+
+
+def _task_id(record: dict[str, Any], i: int) -> str:
+    return f"{record['job_id']}_{i}" if record.get("array", True) else record["job_id"]
+
+
+def submit(
+    profile: LauncherProfile, sd: SweepDir, name: str, keys: list[str], after: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Submit ``keys`` as array job(s) (+ the afterok aggregator job); returns submission records.
+
+    Evals that wait for a training submitted now go in an array whose task i starts when training task i has
+    succeeded (``--dependency=aftercorr``); one waiting for an earlier submission's task gets ``afterok`` on it.
+    """
+    from esbatch.launch.task import CLIJob
+
+    after = after or {}
     size = profile.max_array_size or max_array_size()
+    waiting = {dep: k for k, dep in after.items()}  # one eval per run
+    first = [k for k in keys if k not in after]
     records = []
-    for part in chunks(keys, size):
-        ex = _executor(profile, sd, f"esbatch-{name}")
-        jobs = ex.map_array(SweepTask(str(sd.path)), part)
-        # submitit submits a one-element "array" as a plain job (id without _index)
-        array = "_" in jobs[0].job_id
-        records.append(
-            {"kind": "slurm", "job_id": jobs[0].job_id.split("_")[0], "array": array, "keys": part, "time": now()}
-        )
+    for part in chunks(first, size):
+        rec = _array(profile, sd, f"esbatch-{name}", part)
+        records.append(rec)
+        evals = [waiting.pop(k) for k in part if k in waiting]
+        if evals and len(evals) == len(part):  # aligned: eval i after run i
+            dep = f"aftercorr:{rec['job_id']}" if rec["array"] else f"afterok:{rec['job_id']}"
+            records.append(_array(profile, sd, f"esbatch-{name}-eval", evals, dep))
+        else:
+            for k in evals:
+                dep = f"afterok:{_task_id(rec, part.index(after[k]))}"
+                records.append(_array(profile, sd, f"esbatch-{name}-eval", [k], dep))
+    earlier = sd.last_submission()
+    for k in waiting.values():  # the run was queued by an earlier `esbatch sweep`
+        sub = earlier.get(after[k])
+        if sub and sub.get("kind", "slurm") == "slurm":  # else: submitted by the next `esbatch sweep`
+            dep = f"afterok:{_task_id(sub, sub['array_index'])}"
+            records.append(_array(profile, sd, f"esbatch-{name}-eval", [k], dep))
     if profile.aggregate_job and records:
         ex = _executor(profile, sd, f"esbatch-{name}-aggregate")
         deps = ":".join(r["job_id"] for r in records)
@@ -197,8 +236,10 @@ def job_state(job_id: str) -> str | None:
 class SlurmLauncher(Launcher):
     kind = "slurm"
 
-    def submit(self, sd: SweepDir, name: str, keys: list[str]) -> list[dict[str, Any]]:
-        records = submit(self.profile, sd, name, keys)
+    def submit(
+        self, sd: SweepDir, name: str, keys: list[str], after: dict[str, str] | None = None
+    ) -> list[dict[str, Any]]:
+        records = submit(self.profile, sd, name, keys, after)
         with sd.locked() as meta:
             meta.setdefault("submissions", []).extend(records)
         return records

@@ -4,6 +4,7 @@
                           submissions [{kind, job_id, keys, time, ...}]
 <sweep>/plan/<key>.yaml   the resolved config of each run (what the task trains)
 <sweep>/runs/<key>/       the run folder (esbatch/train/rundir.py)
+<sweep>/plan/<key>.eval.yaml, <sweep>/evals/<key>/   a planned eval and its folder (esbatch/launch/evals.py)
 <sweep>/slurm/            submitit's scripts, pickles and task logs
 <sweep>/results/          tables and plots from `esbatch aggregate`
 
@@ -81,6 +82,18 @@ class SweepDir:
     def plan_path(self, key: str) -> Path:
         return self.plan / f"{key}.yaml"
 
+    def eval_plan_path(self, key: str) -> Path:
+        return self.plan / f"{key}.eval.yaml"
+
+    def eval_dir(self, key: str) -> Path:
+        return self.path / "evals" / key
+
+    def task_log(self, key: str) -> Path:
+        """Where the local launcher writes a task's output (a run's, or an eval's)."""
+        from esbatch.launch.evals import is_eval_key
+
+        return self.eval_dir(key) / RunDir.TASK_LOG if is_eval_key(key) else self.run_dir(key).task_log
+
     def plan_config(self, key: str) -> Any:
         from esbatch.config.run import load_config
 
@@ -126,6 +139,7 @@ class RunState:
     heldout: float | None
     job: str | None = None
     scheduler: str | None = None
+    kind: str = "run"  # or "eval" (done = problems evaluated)
 
 
 def planned_total(plan: Any, meta: dict[str, Any]) -> int | None:

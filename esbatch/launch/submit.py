@@ -13,9 +13,12 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import yaml
+
 from esbatch.config.launcher import mem_mb
 from esbatch.launch.base import LAUNCHERS, launcher_for
-from esbatch.launch.state import RunState, SweepDir, combine, disk_state, now
+from esbatch.launch.evals import eval_disk_state, eval_progress, is_eval_key
+from esbatch.launch.state import ACTIVE_STATES, RunState, SweepDir, combine, disk_state, now
 from esbatch.launch.sweep import Sweep
 from esbatch.train.rundir import RunDir, RunFolderError
 
@@ -32,10 +35,9 @@ def write_plan(sweep: Sweep) -> SweepDir:
         )
     sd.plan.mkdir(parents=True, exist_ok=True)
     for r in sweep.runs:
-        text = r.config.to_yaml()
-        p = sd.plan_path(r.key)
-        if not p.exists() or p.read_text() != text:
-            p.write_text(text)
+        _write_if_changed(sd.plan_path(r.key), r.config.to_yaml())
+    for e in sweep.evals:
+        _write_if_changed(sd.eval_plan_path(e.key), yaml.safe_dump(e.config, sort_keys=False))
     with sd.locked() as meta:
         meta.update(
             name=sweep.name,
@@ -50,10 +52,17 @@ def write_plan(sweep: Sweep) -> SweepDir:
             mem_request_mb=mem_mb(sweep.profile.mem),
             max_requeues=sweep.profile.max_requeues,
             runs=[{"key": r.key, "label": r.label, "index": r.index, "point": r.point} for r in sweep.runs],
+            evals=[{"key": e.key, "label": e.label, "source": e.source, "point": e.point} for e in sweep.evals],
+            train_task=sweep.train_task,
         )
         meta.setdefault("submissions", [])
         meta.setdefault("created", now())
     return sd
+
+
+def _write_if_changed(p: Any, text: str) -> None:
+    if not p.exists() or p.read_text() != text:
+        p.write_text(text)
 
 
 def scheduler_states(sd: SweepDir, query: bool = True) -> dict[str, tuple[str, str | None]]:
@@ -95,6 +104,22 @@ def run_states(sd: SweepDir, query_scheduler: bool = True) -> list[RunState]:
         if job is None and r["key"] in newest and newest[r["key"]].get("kind") != "local":
             job = _job_label(newest[r["key"]])
         out.append(RunState(r["key"], r["label"], combine(disk, state), done, total, reward, heldout, job, state))
+    return out + _eval_states(sd, {s.key: s for s in out}, sched, newest)
+
+
+def _eval_states(
+    sd: SweepDir, runs: dict[str, RunState], sched: dict[str, tuple[str, str | None]], newest: dict[str, Any]
+) -> list[RunState]:
+    """The planned evals' states (kind "eval"; ``done`` counts problems evaluated, over every task)."""
+    out = []
+    for e in sd.read().get("evals", []):
+        folder, src = sd.eval_dir(e["key"]), runs.get(e["source"]) if e.get("source") else None
+        disk = eval_disk_state(folder, src.done if src else None, src is not None and src.state == "finished")
+        state, job = sched.get(e["key"], (None, None))
+        if job is None and e["key"] in newest and newest[e["key"]].get("kind") != "local":
+            job = _job_label(newest[e["key"]])
+        st = "stale" if disk == "stale" and state not in ACTIVE_STATES else combine(disk, state)
+        out.append(RunState(e["key"], e["label"], st, eval_progress(folder), None, None, None, job, state, "eval"))
     return out
 
 
@@ -141,7 +166,7 @@ def format_table(states: list[RunState]) -> str:
                 s.key,
                 s.label,
                 s.state,
-                f"{s.done}/{s.total if s.total is not None else '?'}",
+                f"{s.done} problems" if s.kind == "eval" else f"{s.done}/{s.total if s.total is not None else '?'}",
                 f"{s.last_reward:.3f}" if s.last_reward is not None else "-",
                 f"{s.heldout:.3f}" if s.heldout is not None else "-",
                 s.job or "-",
@@ -150,8 +175,11 @@ def format_table(states: list[RunState]) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    counts = Counter(s.state for s in states)
-    lines.append(f"{len(states)} runs: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    for kind in ("run", "eval"):
+        mine = [s for s in states if s.kind == kind]
+        counts = Counter(s.state for s in mine)
+        if mine or kind == "run":
+            lines.append(f"{len(mine)} {kind}s: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
     return "\n".join(lines)
 
 
@@ -206,7 +234,12 @@ def dry_run(sweep: Sweep, out: Any) -> int:
     for r in sweep.runs:
         st = existing.get(r.key)
         print(f"  {r.index:3d}  {r.key}  {r.label:50s} {st.state if st else 'new'}", file=out)
+    for e in sweep.evals:
+        st = existing.get(e.key)
+        after = f"after {e.source}" if e.source else "at once"
+        print(f"       {e.key}  {e.label:50s} {st.state if st else 'new'} ({after})", file=out)
     todo = [r for r in sweep.runs if not (existing.get(r.key) and existing[r.key].state in DONE_OR_ACTIVE)]
+    todo += [e for e in sweep.evals if not (existing.get(e.key) and existing[e.key].state in DONE_OR_ACTIVE)]
     print("\n" + launcher_for(prof).describe(sd, sweep.name, len(todo)), file=out)
     return 0
 
@@ -218,25 +251,30 @@ def submit_sweep(sweep: Sweep, *, wait: bool = False, out: Any = None) -> int:
     states = {s.key: s for s in run_states(sd)}
     todo = [r.key for r in sweep.runs if states[r.key].state not in DONE_OR_ACTIVE]
     skipped = Counter(states[r.key].state for r in sweep.runs if r.key not in todo)
-    print(f"sweep {sweep.name}: {len(sweep.runs)} runs in {sd.path}", file=out)
+    evals = " and " + f"{len(sweep.evals)} evals" if sweep.evals else ""
+    print(f"sweep {sweep.name}: {len(sweep.runs)} runs{evals} in {sd.path}", file=out)
     if skipped:
         print("  skipping " + ", ".join(f"{n} {k}" for k, n in sorted(skipped.items())), file=out)
     for r in sweep.runs:
         if states[r.key].state == "damaged":
             print(f"  damaged, not resubmitted: {_damage(sd.run_dir(r.key))}", file=out)
-    if not todo:
+    eval_todo, after = evals_to_submit(sweep, states, todo, out)
+    if not todo and not eval_todo:
         print("  nothing to submit.", file=out)
         return 0
     resumed = sum(1 for k in todo if states[k].done > 0 or states[k].state != "pending")
     print(f"  submitting {len(todo)} run(s) ({resumed} resume from their folders)", file=out)
+    if eval_todo:
+        print(f"  and {len(eval_todo)} eval(s), {len(after)} of them after their run's training", file=out)
     launcher = launcher_for(sweep.profile)
     if launcher.foreground:
-        return _run_here(launcher, sd, sweep, todo, out)
-    records = launcher.submit(sd, sweep.name, todo)
+        return _run_here(launcher, sd, sweep, todo + eval_todo, out, after)
+    records = launcher.submit(sd, sweep.name, todo + eval_todo, after)
     for r in records:
         agg = f", aggregator job {r['aggregate_job']} (afterok)" if r.get("aggregate_job") else ""
+        dep = f" ({r['dependency']})" if r.get("dependency") else ""
         print(
-            f"  array job {r['job_id']}: {len(r['keys'])} task(s), at most {sweep.profile.array_parallelism} "
+            f"  array job {r['job_id']}{dep}: {len(r['keys'])} task(s), at most {sweep.profile.array_parallelism} "
             f"at once{agg}",
             file=out,
         )
@@ -250,18 +288,43 @@ def submit_sweep(sweep: Sweep, *, wait: bool = False, out: Any = None) -> int:
     return 0
 
 
-def _run_here(launcher: Any, sd: SweepDir, sweep: Sweep, todo: list[str], out: Any) -> int:
+def evals_to_submit(
+    sweep: Sweep, states: dict[str, RunState], todo: list[str], out: Any
+) -> tuple[list[str], dict[str, str]]:
+    """(evals to submit, {eval: the run whose training it waits for}). An eval waits for its run when the run
+    is submitted now or still queued/running; a run that is damaged or was left failed holds its eval back."""
+    keys, after = [], {}
+    for e in sweep.evals:
+        if states[e.key].state in DONE_OR_ACTIVE:
+            continue
+        src = states.get(e.source) if e.source else None
+        if src is None or src.state == "finished":
+            keys.append(e.key)
+        elif e.source in todo or src.state in ("queued", "running"):
+            keys.append(e.key)
+            after[e.key] = e.source
+        else:
+            print(f"  eval {e.key} waits: its run {e.source} is {src.state}", file=out)
+    return keys, after
+
+
+def _run_here(
+    launcher: Any, sd: SweepDir, sweep: Sweep, todo: list[str], out: Any, after: dict[str, str] | None = None
+) -> int:
     from esbatch.train import stop
 
     launcher.tick = _throttled_bar(sd)
     try:
-        (record,) = launcher.submit(sd, sweep.name, todo)
+        (record,) = launcher.submit(sd, sweep.name, todo, after)
     except stop.Stopped:
         print("\ninterrupted: run `esbatch sweep` again to continue where each run stopped", file=out)
         return 130
     failed = {k: c for k, c in record["exit_codes"].items() if c}
     for k, c in failed.items():
-        print(f"  run {k} exited with {c}; its log: {sd.run_dir(k).task_log}", file=out)
+        what = "eval" if is_eval_key(k) else "run"
+        print(f"  {what} {k} exited with {c}; its log: {sd.task_log(k)}", file=out)
+    for k in record.get("held_back", []):
+        print(f"  eval {k} not started: the training it waits for did not finish", file=out)
     print(format_table(run_states(sd)), file=out)
     return 1 if failed else 0
 

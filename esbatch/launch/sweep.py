@@ -20,6 +20,7 @@ from esbatch.config.loader import find, read_yaml
 from esbatch.config.run import RESUME_OVERRIDABLE, TrainConfig, config_from_dict, parse_overrides
 from esbatch.config.schema import ConfigError, build, deep_merge, describe, flatten
 from esbatch.config.sweep import SWEEP_KEYS, SweepFile
+from esbatch.launch.evals import PlannedEval, load_eval_base, plan_evals
 from esbatch.registry import did_you_mean
 
 __all__ = ["SWEEP_KEYS", "PlannedRun", "Sweep", "load_sweep", "run_key"]
@@ -50,6 +51,8 @@ class Sweep:
     analyses: list[Any] = field(default_factory=list)
     aggregate_raw: list[Any] | None = None
     description: str = ""
+    evals: list[PlannedEval] = field(default_factory=list)
+    train_task: str | None = None
 
     @property
     def tracking_uri(self) -> str:
@@ -155,6 +158,13 @@ def load_sweep(
     if profile.cluster == "slurm" and not (base_data.get("run") or {}).get("threads"):
         base_data = deep_merge(base_data, {"run": {"threads": profile.cpus_per_task}})
     runs = _expand(spec.name, base_data, axes, sweep_dir, src)
+    evals: list[PlannedEval] = []
+    if spec.evaluate is not None:
+        eval_base = load_eval_base(spec.evaluate, path, errors)
+        if eval_base is not None:
+            evals = plan_evals(spec.evaluate, eval_base, runs, sweep_dir, experiment, errors)
+        if errors:
+            raise ConfigError(errors, src)
     from esbatch.config.aggregate import parse_specs
 
     return Sweep(
@@ -168,6 +178,8 @@ def load_sweep(
         analyses=parse_specs(spec.aggregate) if spec.aggregate is not None else [],
         aggregate_raw=spec.aggregate,
         description=spec.description,
+        evals=evals,
+        train_task=spec.evaluate.train_task if spec.evaluate else None,
     )
 
 
@@ -204,6 +216,10 @@ def _axes(spec: SweepFile, errors: list[str]) -> list[list[dict[str, Any]]]:
             errors.append(f"zip[{i}]: every key needs the same number of values, got {lens}")
         elif cols:
             axes.append([dict(zip(cols, row)) for row in zip(*cols.values())])
+    if spec.methods:
+        axis = _methods_axis(spec.methods, errors)
+        if axis:
+            axes.append(axis)
     if spec.seeds is not None:
         seeds = _values(spec.seeds, "seeds", errors)
         if seeds and not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
@@ -213,10 +229,31 @@ def _axes(spec: SweepFile, errors: list[str]) -> list[list[dict[str, Any]]]:
     return axes
 
 
+METHOD = "method"  # the methods axis: a name in labels and tables, its overrides in the config
+
+
+def _methods_axis(methods: dict[str, Any], errors: list[str]) -> list[dict[str, Any]]:
+    """{name: overrides} -> points {method: name, dotted.key: value, ...} (one axis)."""
+    axis = []
+    for name, overrides in methods.items():
+        if not isinstance(overrides, dict):
+            errors.append(f"methods.{name}: expected a mapping of config overrides, e.g. {{algorithm: es}}")
+            continue
+        flat = flatten(overrides)
+        if all(_check_key(k, f"methods.{name}.{k}", errors) for k in list(flat)):
+            axis.append({METHOD: str(name), **flat})
+    return axis
+
+
 def _expand(name: str, base: dict[str, Any], axes: list, sweep_dir: Path, src: str) -> list[PlannedRun]:
     """Every point of the axes as a validated run; a problem every run shares is reported once."""
     points = [{k: v for part in combo for k, v in part.items()} for combo in itertools.product(*axes)] or [{}]
-    varying = [k for k in dict.fromkeys(k for p in points for k in p) if len({repr(p.get(k)) for p in points}) > 1]
+    from_method = {k for p in points if METHOD in p for k in p if k != METHOD}  # named by the method instead
+    varying = [
+        k
+        for k in dict.fromkeys(k for p in points for k in p)
+        if len({repr(p.get(k)) for p in points}) > 1 and k not in from_method
+    ]
     runs: list[PlannedRun] = []
     errors: list[str] = []
     seen: dict[str, int] = {}
@@ -225,6 +262,8 @@ def _expand(name: str, base: dict[str, Any], axes: list, sweep_dir: Path, src: s
         label = " ".join(f"{_short(k)}={point[k]}" for k in varying) or name
         nested: dict[str, Any] = {}
         for k, v in point.items():
+            if k == METHOD:
+                continue
             for part in reversed(k.split(".")):
                 v = {part: v}
             nested = deep_merge(nested, v)

@@ -52,11 +52,47 @@ def distributed_env_from_slurm() -> None:
     )
 
 
+def run_eval_task(sd: SweepDir, key: str, progress: bool = False) -> dict[str, Any]:
+    """Evaluate (or continue evaluating) planned eval ``key``: a trained run's center or a base model.
+
+    An eval folder that evaluated an older center of its run (trained further since) is moved aside to
+    ``<key>.at<updates>``, never mixed with the new samples. Base-model evals nest under the sweep's run."""
+    import json
+
+    import yaml
+
+    from esbatch.config.eval import eval_config_from_dict
+    from esbatch.eval.runner import evaluate
+    from esbatch.launch.evals import SOURCE_FILE, source_record
+
+    entry = next((e for e in sd.read().get("evals", []) if e["key"] == key), None)
+    if entry is None:
+        raise KeyError(f"eval {key} is not in the plan of {sd.meta_path}")
+    data = yaml.safe_load(sd.eval_plan_path(key).read_text())
+    folder = sd.eval_dir(key)
+    if entry.get("source"):
+        updates = sd.run_dir(entry["source"]).progress()
+        old = source_record(folder).get("updates")
+        if old not in (None, updates):
+            folder.rename(folder.with_name(f"{key}.at{old}"))
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / SOURCE_FILE).write_text(json.dumps({"run": entry["source"], "updates": updates}))
+    elif sd.read().get("tracking") != "offline":
+        data.setdefault("tracking", {})["parent_run_id"] = sd.ensure_parent_run()
+    cfg = eval_config_from_dict(data, str(sd.eval_plan_path(key)))
+    print(f"esbatch task: sweep {sd.read()['name']} eval {key} ({entry['label']})", flush=True)
+    return evaluate(cfg, progress=progress)
+
+
 def run_task(sweep_dir: str | Path, key: str, progress: bool = False) -> dict[str, Any]:
-    """Train (or continue) run ``key`` of the sweep in ``sweep_dir``; returns the trainer's summary."""
+    """Train (or continue) run ``key`` of the sweep in ``sweep_dir`` (or run eval ``key``); returns the
+    trainer's (or the eval's) summary."""
+    from esbatch.launch.evals import is_eval_key
     from esbatch.train import train
 
     sd = SweepDir(sweep_dir)
+    if is_eval_key(key):
+        return run_eval_task(sd, key, progress)
     meta = sd.read()
     entry = next((r for r in meta.get("runs", []) if r["key"] == key), None)
     if entry is None:

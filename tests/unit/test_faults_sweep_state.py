@@ -64,7 +64,7 @@ class LauncherDouble:
     def __init__(self):
         self.submitted = []
 
-    def submit(self, sd, name, keys):
+    def submit(self, sd, name, keys, after=None):
         self.submitted.append(list(keys))
         return [{"job_id": "99", "keys": list(keys)}]
 

@@ -1,0 +1,149 @@
+"""A sweep's evaluation phase (paper RQ1): every trained run's final model and every base model, one eval each.
+
+    evaluate: {config: eval-easy, base_models: true, train_task: GSM8K, set: {sampling: {n: 32}}}
+
+Each eval is planned like a run: a stable key (``ev-...`` for a trained run, ``base-...`` for a base model,
+hashed from what it evaluates and the resolved eval config, so a changed protocol is a new eval, never mixed
+into an old folder), its resolved config in ``plan/<key>.eval.yaml``, its folder ``evals/<key>/`` (the layout
+of esbatch/eval/runner.py: samples appended chunk by chunk, so a killed eval continues). An eval of a trained
+run starts when that run's training has finished (local launcher: right after it; SLURM: an array with
+``--dependency=aftercorr`` on the training array, task i after task i); base-model evals start at once.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from esbatch.config.eval import eval_config_from_dict
+from esbatch.config.loader import find, read_yaml
+from esbatch.config.schema import ConfigError, deep_merge
+from esbatch.registry import did_you_mean
+
+BASE_PREFIX, RUN_PREFIX = "base-", "ev-"
+SOURCE_FILE = "source.json"  # which center an eval of a trained run evaluated: {run, updates}
+
+
+@dataclass
+class PlannedEval:
+    key: str
+    label: str
+    source: str | None  # the trained run's key; None = a base model
+    point: dict[str, Any]  # the run's sweep point (method, model.name, ...) or {model.name: ...} for a base model
+    config: dict[str, Any]  # the eval config (checkpoint set for trained runs)
+
+
+def is_eval_key(key: str) -> bool:
+    return key.startswith((BASE_PREFIX, RUN_PREFIX))
+
+
+def _hash(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def load_eval_base(spec: Any, sweep_path: Path, errors: list[str]) -> dict[str, Any] | None:
+    """The sweep's eval config as a dict (a path relative to the sweep file first, then a built-in name)."""
+    try:
+        rel = sweep_path.parent / spec.config
+        data = deep_merge(read_yaml(rel if rel.is_file() else find(spec.config, "eval")), spec.set)
+        labels = [t.label or t.name for t in eval_config_from_dict(data).task_list()]
+    except ConfigError as e:
+        errors.extend(f"evaluate.config: {m}" for m in e.errors)
+        return None
+    if spec.train_task is not None and spec.train_task not in labels:
+        errors.append(
+            f"evaluate.train_task: '{spec.train_task}' is not a task label of {spec.config}."
+            f"{did_you_mean(spec.train_task, labels)} Its labels: {', '.join(labels)}"
+        )
+    return data
+
+
+def plan_evals(
+    spec: Any, eval_base: dict[str, Any], runs: list[Any], sweep_dir: Path, experiment: str, errors: list[str]
+) -> list[PlannedEval]:
+    """One eval per run (its final center) and, with ``base_models``, one per distinct base model."""
+    uri = runs[0].config.tracking.uri if runs else None
+    common = {"output_dir": str(sweep_dir / "evals"), "tracking": {"uri": uri, "experiment": experiment}}
+    out: list[PlannedEval] = []
+    bases: dict[str, PlannedEval] = {}
+    for r in runs:
+        model = r.config.to_dict()["model"]
+        cfg = deep_merge(copy.deepcopy(eval_base), {**common, "model": model})
+        if not _valid(cfg, f"evaluate (run {r.key}, {r.label})", errors):
+            continue
+        key = RUN_PREFIX + _hash(r.key, cfg)
+        planned = {**cfg, "name": key, "checkpoint": str(sweep_dir / "runs" / r.key)}
+        out.append(PlannedEval(key, f"{r.label} (eval)", r.key, dict(r.point), planned))
+        if spec.base_models and not model.get("init_weights"):
+            bkey = BASE_PREFIX + _hash(cfg)
+            if bkey not in bases:
+                point = {"method": "Base", "model.name": model["name"]}
+                bases[bkey] = PlannedEval(bkey, f"base {model['name']}", None, point, {**cfg, "name": bkey})
+    for i, m in enumerate(spec.models):
+        extra = _extra_eval(m, eval_base, common, f"evaluate.models[{i}]", errors)
+        if extra is not None:
+            bases.setdefault(extra.key, extra)
+    return list(bases.values()) + out
+
+
+def _extra_eval(
+    m: Any, eval_base: dict[str, Any], common: dict[str, Any], where: str, errors: list[str]
+) -> PlannedEval | None:
+    """A model evaluated as given, never trained here (e.g. the paper's released Hard-setting GRPO checkpoint)."""
+    if not isinstance(m, dict) or set(m) - {"method", "model", "as"} or "method" not in m or "model" not in m:
+        errors.append(f"{where}: expected {{method: NAME, model: {{name: ...}}, as: MODEL_NAME}}, got {m!r}")
+        return None
+    cfg = deep_merge(copy.deepcopy(eval_base), {**common, "model": m["model"]})
+    if not _valid(cfg, where, errors):
+        return None
+    key = BASE_PREFIX + _hash(m["method"], cfg)
+    point = {"method": str(m["method"]), "model.name": m.get("as") or cfg["model"]["name"]}
+    return PlannedEval(key, f"{m['method']} {cfg['model']['name']}", None, point, {**cfg, "name": key})
+
+
+def _valid(cfg: dict[str, Any], where: str, errors: list[str]) -> bool:
+    try:
+        eval_config_from_dict(cfg)
+    except ConfigError as e:
+        errors.extend(f"{where}: {m}" for m in e.errors if f"{where}: {m}" not in errors)
+        return False
+    return True
+
+
+def eval_done(folder: Path) -> bool:
+    """Finished: the eval wrote its summary and logged it (metrics.json with its MLflow run id)."""
+    try:
+        return bool(json.loads((folder / "metrics.json").read_text()).get("mlflow_run_id"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def eval_progress(folder: Path) -> int:
+    """Problems evaluated so far, over every task (complete lines of samples/*.jsonl)."""
+    from esbatch.train.rundir import read_jsonl
+
+    return sum(len(read_jsonl(f)[0]) for f in sorted((folder / "samples").glob("*.jsonl")))
+
+
+def source_record(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def eval_disk_state(folder: Path, source_t: int | None, source_finished: bool) -> str:
+    """pending | finished | interrupted | stale (it evaluated an older center of a run trained further since).
+
+    ``source_t`` is the trained run's updates done now (None for a base model)."""
+    if not folder.exists():
+        return "pending"
+    if source_t is not None and source_record(folder).get("updates") not in (None, source_t):
+        return "stale"
+    if eval_done(folder):
+        return "finished" if source_t is None or source_finished else "stale"
+    return "interrupted"
