@@ -72,13 +72,14 @@ def collect(sd: SweepDir, metrics: tuple[str, ...] = ("reward/mean", "heldout/ac
     for r in meta.get("runs", []):
         key = r["key"]
         plan = yaml.safe_load(sd.plan_path(key).read_text())
+        point = {k: v for k, v in r.get("point", {}).items() if "." not in k}  # e.g. method: not a config key
         child = find_child(client, exp.experiment_id, meta["name"], key) if exp else None
         st = states.get(key)
         if child is None:
             status = st.state if st and st.state != "pending" else "missing"
-            out.append(RunResult(key, r["label"], status, flatten(plan), (st.total if st else None) or 0, {}))
+            out.append(RunResult(key, r["label"], status, {**flatten(plan), **point}, (st.total if st else None) or 0))
             continue
-        params = {k: _typed(v) for k, v in child.data.params.items()}
+        params = {**{k: _typed(v) for k, v in child.data.params.items()}, **point}
         history = {}
         for m in metrics:
             hist = client.get_metric_history(child.info.run_id, m)
@@ -108,7 +109,14 @@ def aggregate(sweep_dir: str | Path) -> Path:
     meta = sd.read()
     runs = collect(sd)
     analyses = parse_analyses(meta["aggregate"]) if meta.get("aggregate") else default_analyses(runs)
-    write_report(runs, analyses, sd.results, title=f"sweep {meta['name']}")
+    evals = None
+    if meta.get("evals"):
+        from esbatch.aggregate.evals import default_eval_analyses, load_evals
+
+        evals = load_evals(sd)
+        if not meta.get("aggregate"):
+            analyses = [*default_eval_analyses(evals), *analyses]
+    write_report(runs, analyses, sd.results, title=f"sweep {meta['name']}", evals=evals)
     if meta.get("parent_run_id"):
         with _sqlite_lock(meta["tracking_uri"]):
             client = MlflowClient(tracking_uri=meta["tracking_uri"])

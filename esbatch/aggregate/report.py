@@ -15,7 +15,6 @@ logged, stopped before T) are never dropped silently: their cells say why, and t
 
 from __future__ import annotations
 
-import csv
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -27,7 +26,9 @@ import numpy as np
 
 from esbatch.aggregate.results import RunResult
 from esbatch.aggregate.smoothing import debiased_ema, local_std
+from esbatch.aggregate.tables import Section, finish, md_table, write_csv
 from esbatch.config.aggregate import (
+    EVAL_KINDS,
     INDEX_FILE,
     Analysis,
     CurvesAnalysis,
@@ -210,38 +211,6 @@ def _pooled_keys(groups: Iterable[Sequence[RunResult]], used: Iterable[str | Non
 # ============================================================================ output helpers
 
 
-def _md_escape(s: Any) -> str:
-    return str(s).replace("|", "\\|").replace("\n", " ")
-
-
-def _md_table(header: Sequence[str], rows: Sequence[Sequence[Any]], right: Iterable[int] = ()) -> str:
-    right = set(right)
-    lines = ["| " + " | ".join(_md_escape(h) for h in header) + " |"]
-    lines.append("|" + "|".join("---:" if i in right else "---" for i in range(len(header))) + "|")
-    lines.extend("| " + " | ".join(_md_escape(c) for c in row) + " |" for row in rows)
-    return "\n".join(lines)
-
-
-def _csv_cell(v: Any) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (float, np.floating)):
-        return repr(float(v)) if math.isfinite(v) else ""
-    if isinstance(v, np.integer):
-        return str(int(v))
-    return str(v)
-
-
-def _write_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> Path:
-    with path.open("w", newline="", encoding="utf-8") as fh:
-        w = csv.writer(fh)
-        w.writerow(header)
-        w.writerows([_csv_cell(c) for c in row] for row in rows)
-    return path
-
-
 def _num(v: float | None, digits: int = 4, sign: bool = False) -> str:
     if v is None:
         return "—"
@@ -257,21 +226,6 @@ def _at_text(runs: Sequence[RunResult], at: int | None) -> str:
         if len(budgets) == 1
         else "each run's budget (updates " + ", ".join(map(str, budgets)) + ")"
     )
-
-
-@dataclass
-class Section:
-    """What one analysis produced: its files and the Markdown embedded in the report index."""
-
-    analysis: Analysis
-    files: list[Path]
-    markdown: str
-
-
-def _finish(a: Analysis, out_dir: Path, heading: str, body: str, files: list[Path]) -> Section:
-    md_path = out_dir / f"{a.name}.md"
-    md_path.write_text(f"# {heading}\n\n{body}\n", encoding="utf-8")
-    return Section(a, [*files, md_path], body)
 
 
 # ============================================================================ scaling (Table 6)
@@ -364,7 +318,7 @@ def write_scaling(runs: Sequence[RunResult], a: ScalingAnalysis, out_dir: Path) 
         for c in cells
     ]
     header = [rows_key, a.cols, "value", "std", "gap_to_reference", "within_tolerance", "n_runs", "n_planned", "at"]
-    csv_path = _write_csv(out_dir / f"{a.name}.csv", [*header, "status"], csv_rows)
+    csv_path = write_csv(out_dir / f"{a.name}.csv", [*header, "status"], csv_rows)
 
     others = [v for v in col_vals if not _same(v, ref)]
     md_header = [
@@ -397,9 +351,9 @@ def write_scaling(runs: Sequence[RunResult], a: ScalingAnalysis, out_dir: Path) 
         if ref_cell is None or ref_cell.value is None:
             notes.append(f"- Row {_fmt_param(rv) if a.rows else 'all'}: the reference has no value, so no gaps.")
     body = "\n\n".join(
-        p for p in [_md_table(md_header, md_rows, right=range(1, len(md_header))), caption, "\n".join(notes)] if p
+        p for p in [md_table(md_header, md_rows, right=range(1, len(md_header))), caption, "\n".join(notes)] if p
     )
-    return _finish(a, out_dir, f"{a.name}: {a.metric} across {a.rows or 'runs'} and {a.cols}", body, [csv_path])
+    return finish(a, out_dir, f"{a.name}: {a.metric} across {a.rows or 'runs'} and {a.cols}", body, [csv_path])
 
 
 def _scaling_md_cell(c: ScalingCell) -> str:
@@ -480,7 +434,7 @@ def write_curves(runs: Sequence[RunResult], a: CurvesAnalysis, out_dir: Path, ti
     for c in curves:
         for i in range(len(c.steps)):
             rows.append([c.panel, c.hue, int(c.steps[i]), c.raw[i], c.smoothed[i], c.band[i], len(c.runs)])
-    csv_path = _write_csv(
+    csv_path = write_csv(
         out_dir / f"{a.name}.csv",
         [a.panels or "panel", a.hue or "hue", "step", "raw_mean", "smoothed", "band_std", "n_runs"],
         rows,
@@ -525,10 +479,10 @@ def write_curves(runs: Sequence[RunResult], a: CurvesAnalysis, out_dir: Path, ti
         notes.append(f"- Warning: some lines average runs that also differ in {', '.join(pooled)}.")
     body = "\n\n".join(
         p
-        for p in [_md_table(header, md_rows, right=range(len(header) - 2, len(header))), caption, "\n".join(notes)]
+        for p in [md_table(header, md_rows, right=range(len(header) - 2, len(header))), caption, "\n".join(notes)]
         if p
     )
-    return _finish(a, out_dir, f"{a.name}: {a.metric} vs update", body, [csv_path, png_path])
+    return finish(a, out_dir, f"{a.name}: {a.metric} vs update", body, [csv_path, png_path])
 
 
 def _plot_curves(
@@ -617,11 +571,11 @@ def write_final(runs: Sequence[RunResult], a: FinalAnalysis, out_dir: Path) -> S
     metric_col = f"{a.metric} (smoothed)"
     header = [*a.by, "run", "key", "status", "progress", "at", metric_col]
     header += [x for m in a.also for x in (m, f"{m} step")]
-    csv_path = _write_csv(out_dir / f"{a.name}.csv", [*header, "note"], csv_rows)
+    csv_path = write_csv(out_dir / f"{a.name}.csv", [*header, "note"], csv_rows)
 
     md_header = [*(_short(k) for k in a.by), "run", "status", "progress", metric_col, *a.also, "note"]
     parts = [
-        _md_table(md_header, md_rows),
+        md_table(md_header, md_rows),
         f"*{a.metric}: debiased exponential smoothing (weight {a.smoothing:g}) at {_at_text(sel, a.at)}; "
         f"{', '.join(a.also) or 'other metrics'}: last logged value by then (its update in brackets when earlier). "
         "progress = last logged update / budget.*",
@@ -629,14 +583,14 @@ def write_final(runs: Sequence[RunResult], a: FinalAnalysis, out_dir: Path) -> S
     if a.by and any(len(g) > 1 for g in groups.values()):
         parts += [
             "Mean over the runs of each group (runs with a value / runs):",
-            _md_table([*(_short(k) for k in a.by), "runs", "mean", "std", *a.also], _group_means(groups, a)),
+            md_table([*(_short(k) for k in a.by), "runs", "mean", "std", *a.also], _group_means(groups, a)),
         ]
     pooled = _pooled_keys(
         [[r for r in sel if tuple(_fmt_param(_param(r, k)) for k in a.by) == g] for g in groups], a.by
     )
     if pooled and a.by:
         parts.append(f"Groups also differ in: {', '.join(pooled)}.")
-    return _finish(a, out_dir, f"{a.name}: {a.metric} per run", "\n\n".join(parts), [csv_path])
+    return finish(a, out_dir, f"{a.name}: {a.metric} per run", "\n\n".join(parts), [csv_path])
 
 
 def _group_means(groups: dict[tuple, list], a: FinalAnalysis) -> list[list[Any]]:
@@ -660,7 +614,9 @@ def _group_means(groups: dict[tuple, list], a: FinalAnalysis) -> list[list[Any]]
 # ============================================================================ the report
 
 
-def write_report(runs: list[RunResult], analyses: list[Analysis] | None, out_dir: Path, title: str = "") -> list[Path]:
+def write_report(
+    runs: list[RunResult], analyses: list[Analysis] | None, out_dir: Path, title: str = "", evals: Any = None
+) -> list[Path]:
     """Write every analysis (``<name>.csv``, ``<name>.md``, curves also ``<name>.png``) and the index
     ``README.md`` that embeds them and lists every run that is not finished or lacks a metric.
 
@@ -672,12 +628,21 @@ def write_report(runs: list[RunResult], analyses: list[Analysis] | None, out_dir
     if analyses is None:
         analyses = default_analyses(runs)
     errors = [e for a in analyses for e in _param_errors(a, runs)]
+    errors += [
+        f"{a.path or a.name}: kind '{a.kind}' reads the sweep's evaluations; add an `evaluate:` section to the sweep"
+        for a in analyses
+        if isinstance(a, EVAL_KINDS) and evals is None
+    ]
     if errors:
         raise ConfigError(errors)
     out_dir.mkdir(parents=True, exist_ok=True)
     sections = []
     for a in analyses:
-        if isinstance(a, ScalingAnalysis):
+        if isinstance(a, EVAL_KINDS):
+            from esbatch.aggregate.evals import WRITERS
+
+            sections.append(WRITERS[a.kind](evals, a, out_dir))
+        elif isinstance(a, ScalingAnalysis):
             sections.append(write_scaling(runs, a, out_dir))
         elif isinstance(a, CurvesAnalysis):
             sections.append(write_curves(runs, a, out_dir, title))
@@ -686,7 +651,10 @@ def write_report(runs: list[RunResult], analyses: list[Analysis] | None, out_dir
         else:
             raise TypeError(f"not an analysis: {a!r}")
     index = out_dir / INDEX_FILE
-    index.write_text(_index_markdown(runs, analyses, sections, title), encoding="utf-8")
+    text = _index_markdown(runs, [a for a in analyses if not isinstance(a, EVAL_KINDS)], sections, title)
+    if evals is not None:
+        text += _evals_markdown(evals)
+    index.write_text(text, encoding="utf-8")
     return [p for s in sections for p in s.files] + [index]
 
 
@@ -726,7 +694,7 @@ def _index_markdown(
     parts.append("## Runs needing attention")
     if problems:
         parts.append(
-            _md_table(
+            md_table(
                 ["run", "key", "status", "progress", "problem"],
                 [[r.label, f"`{r.key}`", r.status, _progress(r), "; ".join(p)] for r, p in problems],
             )
@@ -738,9 +706,18 @@ def _index_markdown(
         parts += [f"## {s.analysis.name}", f"Kind `{s.analysis.kind}`; files: {links}.", s.markdown]
     parts.append("## All runs")
     parts.append(
-        _md_table(["run", "key", "status", "progress"], [[r.label, f"`{r.key}`", r.status, _progress(r)] for r in runs])
+        md_table(["run", "key", "status", "progress"], [[r.label, f"`{r.key}`", r.status, _progress(r)] for r in runs])
     )
     return "\n\n".join(parts) + "\n"
+
+
+def _evals_markdown(evals: Any) -> str:
+    rows = [
+        [e.label, f"`{e.key}`", "finished" if e.finished else "not finished"]
+        + [f"{len(e.tasks[t].ids)}×{e.tasks[t].n}" if t in e.tasks else "—" for t in evals.task_order]
+        for e in evals.entries
+    ]
+    return "\n## All evaluations\n\n" + md_table(["eval", "key", "status", *evals.task_order], rows) + "\n"
 
 
 def _anchor(name: str) -> str:

@@ -1,6 +1,8 @@
 """Aggregate analyses: the specs of a sweep file's ``aggregate:`` list (written by esbatch/aggregate/report.py).
 
-Three kinds, picked by ``kind``: ``scaling`` (paper Table 6), ``curves`` (Appendix F) and ``final``.
+Kinds, picked by ``kind``: ``scaling`` (paper Table 6), ``curves`` (Appendix F) and ``final`` read the runs'
+training metrics; ``eval_table``, ``eval_wins``, ``pareto`` and ``passk`` read a sweep's evaluations
+(``evaluate:``; esbatch/aggregate/evals.py: paper Tables 2/3/5/8/9/10 and Figure 3).
 """
 
 from __future__ import annotations
@@ -185,7 +187,63 @@ class FinalAnalysis(Analysis):
     also: list[str] = setting([HELDOUT], "further metrics, raw, at the last logged step <= at", check=_metric_list)
 
 
-KINDS: dict[str, type[Analysis]] = {c.kind: c for c in (ScalingAnalysis, CurvesAnalysis, FinalAnalysis)}
+@expects("eval metric names, e.g. [pass@1, pass@16, pass@32], [maj@16, maj@32], [entropy]")
+def _eval_metrics(v: Any) -> list[str]:
+    items = _key_list(v)
+    bad = [m for m in items if not _EVAL_METRIC.match(m)]
+    if not items or bad:
+        raise Invalid(f"got {bad or v!r}")
+    return items
+
+
+_EVAL_METRIC = re.compile(r"^((pass|maj)@\d+|entropy|greedy|format|f1)$")
+
+
+@dataclass(kw_only=True)
+class EvalTableAnalysis(Analysis):
+    """Paper Tables 2/3/5 (Pass@K), 8/9 (Maj@K) and, with ``delta``, 10 (change vs the base model): one table
+    per metric and ``panels`` value, ``rows`` x tasks plus the average over held-out tasks."""
+
+    kind: ClassVar[str] = "eval_table"
+    unknown_key: ClassVar[str] = "unknown key for kind 'eval_table'"
+    metrics: list[str] = setting(["pass@1", "pass@16", "pass@32"], "eval metrics, one table each", check=_eval_metrics)
+    rows: str = setting("method", "sweep parameter whose values are the rows", check=_key)
+    panels: str | None = setting("model.name", "parameter with one table per value (null = one)", check=_opt_key)
+    delta: bool = setting(False, "change vs the base model with a paired bootstrap 95% interval (Table 10)")
+
+
+@dataclass(kw_only=True)
+class EvalWinsAnalysis(Analysis):
+    """How many (model, task, metric) comparisons method ``a`` wins over ``b``, and how often each falls below
+    the base model (the paper's "15 of 18 comparisons")."""
+
+    kind: ClassVar[str] = "eval_wins"
+    unknown_key: ClassVar[str] = "unknown key for kind 'eval_wins'"
+    a: str = setting("ES", "method counted as winning when it is higher", check=_str)
+    b: str = setting("GRPO", "the method it is compared with", check=_str)
+    metrics: list[str] = setting(["pass@1", "pass@16", "pass@32"], "eval metrics compared", check=_eval_metrics)
+
+
+@dataclass(kw_only=True)
+class ParetoAnalysis(Analysis):
+    """Paper Figure 3: every model's Pass@1 (x) against Pass@K (y), one panel per task and the held-out average."""
+
+    kind: ClassVar[str] = "pareto"
+    unknown_key: ClassVar[str] = "unknown key for kind 'pareto'"
+    x: str = setting("pass@1", "metric on the x axis", check=_str)
+    y: str = setting("pass@32", "metric on the y axis", check=_str)
+
+
+@dataclass(kw_only=True)
+class PassKAnalysis(Analysis):
+    """Pass@K for K = 1..n per task, one line per method (line style per model): where the curves cross."""
+
+    kind: ClassVar[str] = "passk"
+    unknown_key: ClassVar[str] = "unknown key for kind 'passk'"
+
+
+EVAL_KINDS = (EvalTableAnalysis, EvalWinsAnalysis, ParetoAnalysis, PassKAnalysis)
+KINDS: dict[str, type[Analysis]] = {c.kind: c for c in (ScalingAnalysis, CurvesAnalysis, FinalAnalysis, *EVAL_KINDS)}
 Analysis.variants = KINDS
 
 

@@ -1,0 +1,432 @@
+"""The evaluation tables and figures of a sweep with an ``evaluate:`` phase (paper RQ1, Section 3).
+
+Kinds (esbatch/config/aggregate.py): ``eval_table`` (Tables 2/3/5 with ``metrics: [pass@1, pass@16, pass@32]``,
+Tables 8/9 with ``[maj@16, maj@32]``; ``delta: true`` gives Table 10, the change vs the base model),
+``eval_wins`` (how many (model, task, metric) comparisons one method wins over another), ``pareto`` (Figure 3:
+Pass@1 vs Pass@K per task) and ``passk`` (Pass@K profiles, K = 1..n).
+
+Every number is read back from the eval folders' per-problem samples (esbatch/eval/runner.py), so each cell
+knows how many problems and samples it rests on. A difference between two models is paired over problems
+(the same problems, in the same order, are evaluated for every model) and carries a 95% percentile
+bootstrap interval over problems (2,000 resamples, seed 0); the held-out average is the mean over the
+held-out tasks that have the metric (the training task is shown but not averaged), its interval from a
+stratified bootstrap (each task's problems resampled on their own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from esbatch.aggregate.tables import finish, md_table, write_csv
+from esbatch.launch.evals import eval_done
+from esbatch.launch.state import SweepDir
+from esbatch.metrics import pass_at_k, problem_metrics
+from esbatch.train.rundir import read_jsonl
+
+BOOTSTRAP, SEED, LEVEL = 2000, 0, 0.95
+AVG = "Held-out avg"
+
+
+@dataclass
+class TaskSamples:
+    """One task of one eval: per-problem metric values (problems in evaluation order)."""
+
+    ids: list[int]  # problem indices in the task's evaluation order
+    questions: list[str]
+    n: int  # samples per problem
+    values: dict[str, np.ndarray]  # metric -> per-problem values
+    correct: np.ndarray  # per-problem number of correct samples
+
+    def mean(self, metric: str) -> float | None:
+        v = self.values.get(metric)
+        return float(v.mean()) if v is not None and len(v) else None
+
+
+@dataclass
+class EvalEntry:
+    key: str
+    label: str
+    point: dict[str, Any]
+    finished: bool
+    tasks: dict[str, TaskSamples] = field(default_factory=dict)
+
+    def param(self, key: str) -> Any:
+        return self.point.get(key)
+
+
+@dataclass
+class EvalSet:
+    entries: list[EvalEntry]
+    task_order: list[str]
+    train_task: str | None
+
+    def heldout(self) -> list[str]:
+        return [t for t in self.task_order if t != self.train_task]
+
+
+def load_evals(sd: SweepDir, ks: Sequence[int] = (1, 16, 32)) -> EvalSet:
+    """Every planned eval of the sweep with whatever samples it has (an unfinished eval is marked so)."""
+    import yaml
+
+    meta = sd.read()
+    entries, order = [], []
+    for e in meta.get("evals", []):
+        folder = sd.eval_dir(e["key"])
+        plan = yaml.safe_load(sd.eval_plan_path(e["key"]).read_text())
+        labels = [t.get("label") or t["name"] for t in plan["tasks"]]
+        order += [t for t in labels if t not in order]
+        point = dict(e["point"])
+        if e.get("source"):  # the run's point says its method and axes; its config the model
+            point.setdefault("model.name", plan["model"]["name"])
+        entry = EvalEntry(e["key"], e["label"], point, eval_done(folder))
+        for lab in labels:
+            rows = read_jsonl(folder / "samples" / f"{lab.replace('/', '_')}.jsonl")[0]
+            if rows:
+                entry.tasks[lab] = task_samples(rows, plan.get("ks") or list(ks))
+        entries.append(entry)
+    return EvalSet(entries, order, meta.get("train_task"))
+
+
+def task_samples(rows: list[dict[str, Any]], ks: Sequence[int]) -> TaskSamples:
+    rows = sorted(rows, key=lambda r: r["i"])
+    per = []
+    for r in rows:
+        correct = [s["verdict"] == "correct" for s in r["samples"]]
+        per.append(problem_metrics(correct, [s["key"] for s in r["samples"]], ks, [s["entropy"] for s in r["samples"]]))
+    names = sorted({k for p in per for k in p})
+    values = {m: np.array([p.get(m, np.nan) for p in per], dtype=np.float64) for m in names}
+    n = len(rows[0]["samples"]) if rows else 0
+    correct = np.array([sum(s["verdict"] == "correct" for s in r["samples"]) for r in rows])
+    return TaskSamples([r["i"] for r in rows], [r["question"] for r in rows], n, values, correct)
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def paired_diff(a: TaskSamples, b: TaskSamples, metric: str) -> np.ndarray:
+    """Per-problem differences a - b over the problems both evaluated (matched by position and question)."""
+    pos_a, pos_b = {i: j for j, i in enumerate(a.ids)}, {i: j for j, i in enumerate(b.ids)}
+    common = [i for i in a.ids if i in pos_b]
+    ia, ib = [pos_a[i] for i in common], [pos_b[i] for i in common]
+    if [a.questions[j] for j in ia] != [b.questions[j] for j in ib]:
+        raise ValueError("the two evals did not evaluate the same problems; cannot pair them")
+    return a.values[metric][ia] - b.values[metric][ib]
+
+
+def bootstrap_ci(diffs: Sequence[np.ndarray]) -> tuple[float, float, float]:
+    """(mean, low, high): the mean over tasks of each task's mean difference, with a 95% percentile interval
+    from resampling each task's problems with replacement (stratified; one task = the ordinary bootstrap)."""
+    rng = np.random.default_rng(SEED)
+    point = float(np.mean([d.mean() for d in diffs]))
+    boots = np.zeros(BOOTSTRAP)
+    for d in diffs:
+        idx = rng.integers(0, len(d), size=(BOOTSTRAP, len(d)))
+        boots += d[idx].mean(axis=1)
+    boots /= len(diffs)
+    lo, hi = np.quantile(boots, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
+    return point, float(lo), float(hi)
+
+
+def passk_profile(t: TaskSamples) -> list[float]:
+    """Mean unbiased Pass@K over problems for K = 1..n."""
+    return [float(np.mean([pass_at_k(t.n, int(c), k) for c in t.correct])) for k in range(1, t.n + 1)]
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _fmt(metric: str, v: float | None, sign: bool = False) -> str:
+    if v is None or np.isnan(v):
+        return "—"
+    x = v if metric == "entropy" else 100 * v  # rates in percent, like the paper's tables
+    return f"{x:+.1f}" if sign else f"{x:.1f}"
+
+
+def _groups(es: EvalSet, a: Any) -> list[tuple[Any, list[EvalEntry]]]:
+    """(panel value, entries) in the sweep's order, after ``select``."""
+    keep = [e for e in es.entries if all(e.param(k) in vals for k, vals in a.select.items())]
+    panels: list[Any] = []
+    for e in keep:
+        v = e.param(a.panels) if getattr(a, "panels", None) else None
+        if v not in panels:
+            panels.append(v)
+    return [(p, [e for e in keep if not getattr(a, "panels", None) or e.param(a.panels) == p]) for p in panels]
+
+
+def _base_of(entries: list[EvalEntry]) -> EvalEntry | None:
+    return next((e for e in entries if e.param("method") == "Base"), None)
+
+
+def heldout_mean(e: EvalEntry, tasks: list[str], metric: str) -> tuple[float | None, int]:
+    vals = [e.tasks[t].mean(metric) for t in tasks if t in e.tasks and metric in e.tasks[t].values]
+    return (float(np.mean(vals)), len(vals)) if vals else (None, 0)
+
+
+def write_eval_table(es: EvalSet, a: Any, out_dir: Path) -> Any:
+
+    tasks, held = es.task_order, es.heldout()
+    csv_rows, parts = [], []
+    for panel, entries in _groups(es, a):
+        base = _base_of(entries)
+        for metric in a.metrics:
+            header, rows = [a.rows], []
+            for t in tasks:
+                sizes = [(len(e.tasks[t].ids), e.tasks[t].n) for e in entries if t in e.tasks]
+                p, n = max(sizes) if sizes else (0, 0)
+                header.append(f"{t}{' (train)' if t == es.train_task else ''} ({p}×{n})")
+            header.append(f"{AVG} ({len(held)} tasks)")
+            for e in entries:
+                if a.delta and (e is base or base is None):
+                    continue
+                row = [str(e.param(a.rows)) + ("" if e.finished else " *")]
+                diffs = []
+                for t in tasks:
+                    ts = e.tasks.get(t)
+                    if ts is None or metric not in ts.values:
+                        row.append("—")
+                        continue
+                    if a.delta:
+                        d = paired_diff(ts, base.tasks[t], metric) if t in base.tasks else None
+                        if d is None or not len(d):
+                            row.append("—")
+                            continue
+                        mean, lo, hi = bootstrap_ci([d])
+                        row.append(_ci_cell(metric, mean, lo, hi))
+                        if t in held:
+                            diffs.append(d)
+                        csv_rows.append([panel, e.param(a.rows), t, metric, mean, lo, hi, len(d), ts.n, e.finished])
+                    else:
+                        v, p = ts.mean(metric), len(ts.ids)
+                        full = max(len(x.tasks[t].ids) for x in entries if t in x.tasks)
+                        row.append(_fmt(metric, v) + (f" (n={p})" if p < full else ""))
+                        csv_rows.append([panel, e.param(a.rows), t, metric, v, None, None, p, ts.n, e.finished])
+                if a.delta:
+                    if diffs:
+                        mean, lo, hi = bootstrap_ci(diffs)
+                        row.append(
+                            _ci_cell(metric, mean, lo, hi) + ("" if len(diffs) == len(held) else f" ({len(diffs)})")
+                        )
+                        csv_rows.append([panel, e.param(a.rows), AVG, metric, mean, lo, hi, None, None, e.finished])
+                    else:
+                        row.append("—")
+                else:
+                    v, k = heldout_mean(e, held, metric)
+                    row.append(_fmt(metric, v) + ("" if k in (0, len(held)) else f" ({k} tasks)"))
+                    csv_rows.append([panel, e.param(a.rows), AVG, metric, v, None, None, None, None, e.finished])
+                rows.append(row)
+            what = f"change vs base in {metric}" if a.delta else metric
+            title = f"**{what}**" + (f", {a.panels} = {panel}" if panel is not None else "")
+            parts += [title, md_table(header, rows, right=range(1, len(header)))]
+    notes = [
+        "Rates in percent (entropy in nats). Column heads: problems × samples per problem. A cell resting on fewer "
+        "problems says so (n=...); * = its eval has not finished.",
+        f"{AVG}: mean over the held-out tasks{f' (not {es.train_task})' if es.train_task else ''} that have the "
+        "metric; a count in brackets when a model lacks some of them.",
+    ]
+    if a.delta:
+        notes.append(
+            "Change vs the same model before training, paired over problems; [95% bootstrap interval over problems, "
+            f"{BOOTSTRAP} resamples; stratified by task for the average]; † = the interval excludes 0."
+        )
+    header = ["panel", "row", "task", "metric", "value", "ci_low", "ci_high", "problems", "samples", "finished"]
+    csv_path = write_csv(out_dir / f"{a.name}.csv", header, csv_rows)
+    body = "\n\n".join(parts + ["*" + " ".join(notes) + "*"])
+    return finish(a, out_dir, f"{a.name}: {', '.join(a.metrics)}{' vs base' if a.delta else ''}", body, [csv_path])
+
+
+def _ci_cell(metric: str, mean: float, lo: float, hi: float) -> str:
+    mark = "†" if lo > 0 or hi < 0 else ""
+    return f"{_fmt(metric, mean, True)}{mark} [{_fmt(metric, lo, True)}, {_fmt(metric, hi, True)}]"
+
+
+def write_eval_wins(es: EvalSet, a: Any, out_dir: Path) -> Any:
+    """Per metric: comparisons (model x task) where ``a`` > ``b``, those with a paired interval excluding 0,
+    and how often each method is below its base model."""
+
+    rows, csv_rows = [], []
+    for metric in a.metrics:
+        n = wins = sig = 0
+        below = {a.a: 0, a.b: 0}
+        for _panel, entries in _groups(es, a):
+            ea = next((e for e in entries if e.param("method") == a.a), None)
+            eb = next((e for e in entries if e.param("method") == a.b), None)
+            base = _base_of(entries)
+            if ea is None or eb is None:
+                continue
+            for t in es.task_order:
+                if t not in ea.tasks or t not in eb.tasks or metric not in ea.tasks[t].values:
+                    continue
+                d = paired_diff(ea.tasks[t], eb.tasks[t], metric)
+                if not len(d):
+                    continue
+                n += 1
+                mean, lo, hi = bootstrap_ci([d])
+                wins += mean > 0
+                sig += lo > 0
+                for name, e in ((a.a, ea), (a.b, eb)):
+                    if base is not None and t in base.tasks and e.tasks[t].mean(metric) < base.tasks[t].mean(metric):
+                        below[name] += 1
+        rows.append([metric, f"{wins} of {n}", f"{sig} of {n}", f"{below[a.a]} of {n}", f"{below[a.b]} of {n}"])
+        csv_rows.append([metric, n, wins, sig, below[a.a], below[a.b]])
+    header = ["metric", f"{a.a} > {a.b}", f"{a.a} > {a.b} (95% CI > 0)", f"{a.a} < base", f"{a.b} < base"]
+    csv_path = write_csv(
+        out_dir / f"{a.name}.csv",
+        ["metric", "comparisons", "wins", "significant_wins", "a_below_base", "b_below_base"],
+        csv_rows,
+    )
+    body = md_table(header, rows) + (
+        "\n\n*One comparison = one (model, task) pair, every task of the suite; wins by the point estimate, and with "
+        "a paired bootstrap interval over problems that excludes 0. '< base': below the same model before training.*"
+    )
+    return finish(a, out_dir, f"{a.name}: {a.a} vs {a.b}", body, [csv_path])
+
+
+# ----------------------------------------------------------------------------- figures
+
+MARKERS = "osD^vP*X"
+
+
+def _figure(n: int) -> tuple[Any, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ncols = min(3, max(1, n))
+    nrows = -(-max(1, n) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.0 * ncols, 3.9 * nrows), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat)
+
+
+def _styles(es: EvalSet) -> tuple[dict[Any, str], dict[Any, str]]:
+    """A colour per method and a marker per model, in the sweep's order."""
+    import matplotlib.pyplot as plt
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    methods = list(dict.fromkeys(e.param("method") for e in es.entries))
+    models = list(dict.fromkeys(e.param("model.name") for e in es.entries))
+    return (
+        {m: ("black" if m == "Base" else colors[i % len(colors)]) for i, m in enumerate(methods)},
+        {m: MARKERS[i % len(MARKERS)] for i, m in enumerate(models)},
+    )
+
+
+def write_pareto(es: EvalSet, a: Any, out_dir: Path) -> Any:
+    """Figure 3: x = Pass@1, y = Pass@K, one point per (method, model), per task and for the held-out average."""
+    import matplotlib.pyplot as plt
+
+    panels = [*es.task_order, AVG]
+    fig, axes = _figure(len(panels))
+    color, marker = _styles(es)
+    for ax, t in zip(axes, panels):
+        for e in es.entries:
+            if t == AVG:
+                (x, _), (y, _) = heldout_mean(e, es.heldout(), a.x), heldout_mean(e, es.heldout(), a.y)
+            else:
+                ts = e.tasks.get(t)
+                x, y = (ts.mean(a.x), ts.mean(a.y)) if ts else (None, None)
+            if x is None or y is None:
+                continue
+            base = e.param("method") == "Base"  # hollow and larger: visible under a method at the same spot
+            ax.scatter(
+                100 * x,
+                100 * y,
+                facecolor="none" if base else color[e.param("method")],
+                edgecolor=color[e.param("method")] if base else "white",
+                marker=marker[e.param("model.name")],
+                s=90 if base else 42,
+                linewidth=1.2 if base else 0.6,
+                zorder=3,
+                label=f"{e.param('method')} · {e.param('model.name')}",
+            )
+        ax.set(title=t + (" (train)" if t == es.train_task else ""), xlabel=f"{a.x} (%)", ylabel=f"{a.y} (%)")
+        ax.grid(alpha=0.3)
+    handles, labels = next(iter(axes)).get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
+    fig.suptitle(f"{a.name}: {a.x} vs {a.y} (up and right is better)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06 + 0.03 * (len(labels) // 4), 1, 1))
+    png = out_dir / f"{a.name}.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    body = f"![{a.name}]({png.name})\n\n*Colour = method, marker = model; {AVG} = mean over the held-out tasks.*"
+    return finish(a, out_dir, f"{a.name}: {a.x} vs {a.y}", body, [png])
+
+
+def write_passk(es: EvalSet, a: Any, out_dir: Path) -> Any:
+    """Pass@K for K = 1..n per task: one line per (method, model), markers at every K."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = _figure(len(es.task_order))
+    color, marker = _styles(es)
+    styles = dict(zip(dict.fromkeys(e.param("model.name") for e in es.entries), ["-", "--", ":", "-."] * 4))
+    rows = []
+    for ax, t in zip(axes, es.task_order):
+        for e in es.entries:
+            ts = e.tasks.get(t)
+            if ts is None:
+                continue
+            prof = passk_profile(ts)
+            ks = list(range(1, len(prof) + 1))
+            rows += [[e.param("model.name"), e.param("method"), t, k, v, len(ts.ids)] for k, v in zip(ks, prof)]
+            ax.plot(
+                ks,
+                [100 * v for v in prof],
+                color=color[e.param("method")],
+                ls=styles[e.param("model.name")],
+                marker=marker[e.param("model.name")],
+                ms=3,
+                lw=1.4,
+                label=f"{e.param('method')} · {e.param('model.name')}",
+            )
+        ax.set_xscale("log", base=2)
+        ax.set(title=t + (" (train)" if t == es.train_task else ""), xlabel="K", ylabel="Pass@K (%)")
+        ax.grid(alpha=0.3)
+    handles, labels = next(iter(axes)).get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
+    fig.suptitle(f"{a.name}: unbiased Pass@K profiles", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06 + 0.03 * (len(labels) // 4), 1, 1))
+    png = out_dir / f"{a.name}.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    csv_path = write_csv(out_dir / f"{a.name}.csv", ["model", "method", "task", "k", "pass_at_k", "problems"], rows)
+    body = f"![{a.name}]({png.name})\n\n*Unbiased Pass@K (Chen et al. 2021) averaged over problems, K = 1..n.*"
+    return finish(a, out_dir, f"{a.name}: Pass@K profiles", body, [png, csv_path])
+
+
+WRITERS = {
+    "eval_table": write_eval_table,
+    "eval_wins": write_eval_wins,
+    "pareto": write_pareto,
+    "passk": write_passk,
+}
+
+
+def default_eval_analyses(es: EvalSet) -> list[Any]:
+    """What a sweep with evaluations but no ``aggregate:`` list gets: the paper's RQ1 tables and figures for the
+    K values the evals have."""
+    from esbatch.config.aggregate import parse_specs
+
+    ks = sorted({int(m[5:]) for e in es.entries for t in e.tasks.values() for m in t.values if m.startswith("pass@")})
+    passk = [f"pass@{k}" for k in ks]
+    majk = [f"maj@{k}" for k in ks if k > 1]
+    methods = {e.param("method") for e in es.entries}
+    specs: list[dict[str, Any]] = [{"kind": "eval_table", "name": "passk_table", "metrics": passk}]
+    if majk:
+        specs.append({"kind": "eval_table", "name": "majk_table", "metrics": majk})
+    if "Base" in methods and len(methods) > 1:
+        specs.append({"kind": "eval_table", "name": "change_vs_base", "metrics": passk, "delta": True})
+    if {"ES", "GRPO"} <= methods:
+        specs.append({"kind": "eval_wins", "name": "es_vs_grpo", "metrics": passk})
+    if len(ks) > 1:
+        specs.append({"kind": "pareto", "name": "pareto", "y": passk[-1]})
+    specs.append({"kind": "passk", "name": "passk_profiles"})
+    return parse_specs(specs)
