@@ -54,8 +54,30 @@ MODELS.register(
 )
 
 
+HUB_PREFIX = "hf://"  # hf://org/repo/sub/folder: a model saved in a folder of a hub repo (released checkpoints)
+HUB_SUBFOLDER = re.compile(r"^hf://([A-Za-z0-9][\w.-]*/[\w.-]+)/([^\s]+[^/\s])$")
+
+
+def _hub_subfolder(name: str, revision: str | None) -> str:
+    """Download only ``sub/*`` of the hub repo named in ``hf://org/repo/sub`` (huggingface_hub cache); its path."""
+    from huggingface_hub import snapshot_download
+
+    m = HUB_SUBFOLDER.match(name)
+    if m is None:
+        raise ModelNotFoundError(f"model.name: {name!r}: expected hf://org/repo/folder/inside/the/repo")
+    repo, sub = m.groups()
+    try:
+        root = snapshot_download(repo, revision=revision, allow_patterns=[f"{sub}/*"])
+    except Exception as e:  # noqa: BLE001 - hub errors (network, gated, missing) come in many types
+        raise ModelNotFoundError(f"model.name: cannot download {sub}/ of {repo} ({type(e).__name__}: {e})") from None
+    return str(Path(root) / sub)
+
+
 def resolve_source(name: str, gguf_file: str | None = None, revision: str | None = None) -> ModelSource:
-    """Alias -> registered source; a path to a .gguf file -> its folder + file; else a dir or hub id."""
+    """Alias -> registered source; a path to a .gguf file -> its folder + file; hf://org/repo/folder -> that
+    folder, downloaded; else a dir or hub id."""
+    if name.startswith(HUB_PREFIX):
+        return ModelSource(_hub_subfolder(name, revision), gguf_file, None)
     if name in MODELS:
         src = MODELS.get(name)()
         return ModelSource(src.path, gguf_file or src.gguf_file, revision or src.revision)
@@ -78,7 +100,11 @@ class ModelNotFoundError(FileNotFoundError):
 
 def model_problem(name: str, gguf_file: str | None = None) -> str | None:
     """Why ``name`` cannot be a model here, checked without loading it (None: it can, or it is a hub id,
-    which is checked when loaded). Accepted: an alias, a local HF folder, a .gguf file, a hub id org/name."""
+    which is checked when loaded). Accepted: an alias, a local HF folder, a .gguf file, a hub id org/name, a
+    folder of a hub repo hf://org/name/folder."""
+    if name.startswith(HUB_PREFIX):
+        ok = HUB_SUBFOLDER.match(name)
+        return None if ok else f"{name!r}: expected hf://org/repo/folder (a model saved in a folder of a hub repo)"
     if name in MODELS:
         try:
             resolve_source(name, gguf_file)

@@ -69,7 +69,8 @@ class RunConfig:
 class ModelConfig:
     name: str = setting(
         "smollm2-135m-instruct",
-        "Registered model alias (see `esbatch ls`), a local HF model directory, a hub id, or a .gguf file.",
+        "Registered model alias (see `esbatch ls`), a local HF model directory, a hub id, a .gguf file, or "
+        "hf://org/repo/folder (a model saved in a folder of a hub repo).",
     )
     gguf_file: str | None = setting(None, "GGUF file name inside `name` (a directory or hub id).")
     revision: str | None = setting(None, "Hub revision (branch, tag or commit) when `name` is a hub id.")

@@ -35,3 +35,24 @@ def test_tiny_model_dir_loads_in_both_dtypes(tiny_model_dir):
         model, tok = load_model_and_tokenizer(str(tiny_model_dir), dtype=dtype)
         assert next(model.parameters()).dtype == getattr(torch, dtype)
         assert tok.padding_side == "left" and tok.pad_token is not None
+
+
+def test_a_folder_of_a_hub_repo_is_a_model_name(tmp_path, monkeypatch):
+    """hf://org/repo/folder (the paper's released Hard GRPO checkpoint lives in one): only that folder is fetched."""
+    import huggingface_hub
+
+    from esbatch.models import model_path, model_problem
+
+    assert model_problem("hf://zz1358m/SofT-GRPO-master/saved_weight/Deepeeek-Qwen-1.5B+GRPO") is None
+    for bad in ("hf://org/repo", "hf://org/repo/", "hf://org"):
+        assert "expected hf://org/repo/folder" in model_problem(bad)
+    calls = []
+
+    def fake(repo, revision=None, allow_patterns=None):
+        calls.append((repo, revision, allow_patterns))
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    path, rev = model_path("hf://org/repo/a/b+c", revision="v1")
+    assert (path, rev) == (str(tmp_path / "a" / "b+c"), None)
+    assert calls == [("org/repo", "v1", ["a/b+c/*"])]
