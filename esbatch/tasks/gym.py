@@ -172,6 +172,13 @@ class CountdownTask(_GymTask):
             "train": rest if n_train is None else rest[:n_train],
         }
 
+    def eval_examples(self, limit: int | None, seed: int = 0) -> list[Example]:
+        """A dataset's rows, all of them or the first ``limit``; generated problems without one."""
+        if not (self.data_path or self.hub_id):
+            return super().eval_examples(limit, seed)
+        rows = self._rows()
+        return rows[:limit] if limit else rows
+
     def demo_response(self, ex: Example) -> str:
         if not ex.answer:
             raise ValueError("these Countdown rows carry no solution expression to demonstrate; use few_shot: 0")
