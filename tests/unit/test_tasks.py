@@ -150,3 +150,19 @@ def test_countdown_dataset_eval_without_limit_reads_every_row(tmp_path):
     assert len(task.eval_examples(None)) == 600
     assert [e.meta["target"] for e in task.eval_examples(2)] == [3, 4]
     assert len(TASKS.get("arithmetic")().eval_examples(7)) == 7
+
+
+def test_countdown_keeps_non_integer_targets(tmp_path):
+    """A dataset target of 1.5 stays 1.5 (it was cut to 1, so '3 - 2' scored CORRECT and '3 / 2' WRONG)."""
+    f = tmp_path / "cd.jsonl"
+    f.write_text('{"nums": [3, 2], "target": 1.5}\n{"nums": [3, 2], "target": 5.0}\n')
+    ex, whole = TASKS.get("countdown")(str(f)).eval_examples(None)
+    assert ex.meta == {"numbers": [3, 2], "target": 1.5} and ex.question == "Numbers: 3, 2. Target: 1.5."
+    task = TASKS.get("countdown")(str(f))
+    assert task.score("<answer>3 / 2</answer>", ex) is Verdict.CORRECT
+    assert task.score("<answer>3 - 2</answer>", ex) is Verdict.WRONG
+    assert whole.meta["target"] == 5 and whole.question.endswith("Target: 5.")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"nums": [2.5, 2], "target": 5}\n')
+    with pytest.raises(ValueError, match="2.5"):
+        TASKS.get("countdown")(str(bad)).eval_examples(None)
