@@ -124,6 +124,8 @@ def test_shipped_eval_configs_match_the_paper_protocol():
         assert (c.sampling.n, c.sampling.temperature, c.sampling.max_new_tokens) == (32, 0.6, tokens)
         assert c.sampling.greedy is greedy and c.ks == [1, 16, 32]
     assert [t.name for t in load_eval_config("eval-hard").task_list()] == ["aime2024", "aime2025", "amc2023", "math500"]
+    easy = [t.name for t in load_eval_config("eval-easy").task_list()]
+    assert easy == ["gsm8k", "commonsenseqa", "hotpotqa", "countdown-gold", "gpqa", "mbpp"]  # App. G.6's suite
     yaml.safe_dump(load_eval_config("eval-quick").to_dict())  # serializable as written to the eval folder
     json.dumps(load_eval_config("eval-easy").to_dict())
 
