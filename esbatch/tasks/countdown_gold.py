@@ -5,9 +5,13 @@ rewriting the task statement"; answers go in ``<answer>`` tags and are scored by
 (each given number exactly once, ``+ - * /`` and parentheses, exact rational arithmetic).
 
 Hub id and schema. The paper cites "HuggingFaceTB Countdown-task-gold" (a Hugging Face dataset) without an
-id; the id ``HuggingFaceTB/Countdown-Task-GOLD`` and the schema below come from public code that loads it
-(TRL's GOLD trainer docs and several evaluation scripts, found with the code search), because the dataset card
-could not be read from this machine (no hub access):
+id; the id ``HuggingFaceTB/Countdown-Task-GOLD`` and the schema below come from public code that loads it,
+because the dataset card could not be read from this machine (no hub access): huggingface/trl
+``docs/source/gold_trainer.md`` (config ``verified_Qwen2.5-0.5B-Instruct``, split ``train``), a TRL-based
+``countdown_eval.py`` pointing to the HuggingFaceH4 on-policy-distillation write-up (config ``test``, split
+``test``; ``prompt`` rendered with ``apply_chat_template``, its system turn replaced only on request; ``nums``,
+``target``; 500 problems drawn with a seed by default), and several evaluation and data scripts that read the
+same fields (``prompt[0]`` system, ``prompt[1]`` user; ``all`` / ``verified_*`` rows with ``messages``):
 
 * config ``test``, split ``test`` (the default here): ``prompt`` = the chat messages, a list of
   ``{"role", "content"}`` (system, then user: "Using the numbers [..], create an equation that equals T. ...
