@@ -166,10 +166,20 @@ def test_the_paper_suite_runs_end_to_end_on_fixtures(tmp_path, tiny_model_dir):
             ("mbpp", "mbpp_tiny.jsonl"),
             ("aime2024", "aime_tiny.jsonl"),
             ("amc2023", "amc_tiny.jsonl"),
+            ("countdown-gold", "countdown_gold_tiny.jsonl"),
         )
     ]
     s = evaluate(eval_config_from_dict(d), progress=False)
-    assert set(s["tasks"]) == {"math500", "commonsenseqa", "gpqa", "hotpotqa", "mbpp", "aime2024", "amc2023"}
+    assert set(s["tasks"]) == {
+        "math500",
+        "commonsenseqa",
+        "gpqa",
+        "hotpotqa",
+        "mbpp",
+        "aime2024",
+        "amc2023",
+        "countdown-gold",
+    }
     assert all(r["problems"] == 2 for r in s["tasks"].values())
     assert "f1" in s["columns"] and "f1" in s["tasks"]["hotpotqa"] and "f1" not in s["tasks"]["math500"]
     table = (tmp_path / "evals" / "ev" / "table.md").read_text()
