@@ -14,7 +14,7 @@ import yaml
 
 from esbatch.aggregate.results import RunResult
 from esbatch.launch.state import SweepDir
-from esbatch.train.rundir import RunFolderError
+from esbatch.train.rundir import RunDir, RunFolderError, read_jsonl
 
 STATUS = {"FINISHED": "finished", "RUNNING": "running", "FAILED": "failed", "KILLED": "killed", "SCHEDULED": "pending"}
 
@@ -56,8 +56,33 @@ def merge_offline(sd: SweepDir) -> int:
     return n
 
 
-def collect(sd: SweepDir, metrics: tuple[str, ...] = ("reward/mean", "heldout/accuracy")) -> list[RunResult]:
-    """One RunResult per planned run, params and histories read from MLflow."""
+def folder_history(rd: RunDir) -> dict[str, list[tuple[int, float]]]:
+    """Every numeric metric a run folder logged, at the steps MLflow has them: ``log.jsonl``'s update metrics
+    at step t + 1, ``eval.jsonl``'s held-out scores at step t. Reads only; a torn last line is skipped."""
+    hist: dict[str, dict[int, float]] = {}
+
+    def add(name: str, step: int, v: Any) -> None:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            hist.setdefault(name, {})[step] = float(v)
+
+    for rec in read_jsonl(rd.log)[0]:
+        if isinstance(rec, dict) and isinstance(rec.get("t"), int) and isinstance(rec.get("metrics"), dict):
+            for k, v in rec["metrics"].items():
+                add(k, rec["t"] + 1, v)
+    for rec in read_jsonl(rd.eval_log)[0]:
+        if isinstance(rec, dict) and isinstance(rec.get("t"), int):
+            for k, v in rec.items():
+                if k != "t":
+                    add(k, rec["t"], v)
+    return {k: sorted(pts.items()) for k, pts in hist.items()}
+
+
+def collect(sd: SweepDir, metrics: tuple[str, ...] | None = None) -> list[RunResult]:
+    """One RunResult per planned run, params and histories read from MLflow.
+
+    ``metrics=None`` reads every metric each run logged (any name an analysis may ask for, not a fixed
+    list). A metric MLflow lacks (a run that never reached it, or a store that was lost) is read from the run
+    folder's ``log.jsonl`` / ``eval.jsonl`` (:func:`folder_history`)."""
     from mlflow.tracking import MlflowClient
 
     from esbatch.config import flatten
@@ -75,16 +100,22 @@ def collect(sd: SweepDir, metrics: tuple[str, ...] = ("reward/mean", "heldout/ac
         point = {k: v for k, v in r.get("point", {}).items() if "." not in k}  # e.g. method: not a config key
         child = find_child(client, exp.experiment_id, meta["name"], key) if exp else None
         st = states.get(key)
+        local = folder_history(sd.run_dir(key))
+        if metrics is not None:
+            local = {m: pts for m, pts in local.items() if m in metrics}
         if child is None:
             status = st.state if st and st.state != "pending" else "missing"
-            out.append(RunResult(key, r["label"], status, {**flatten(plan), **point}, (st.total if st else None) or 0))
+            params = {**flatten(plan), **point}
+            out.append(RunResult(key, r["label"], status, params, (st.total if st else None) or 0, local))
             continue
         params = {**{k: _typed(v) for k, v in child.data.params.items()}, **point}
         history = {}
-        for m in metrics:
+        for m in sorted(child.data.metrics) if metrics is None else metrics:
             hist = client.get_metric_history(child.info.run_id, m)
             if hist:
                 history[m] = sorted({h.step: h.value for h in hist}.items())
+        for m, pts in local.items():
+            history.setdefault(m, pts)
         status = STATUS.get(child.info.status, child.info.status.lower())
         if status == "running" and st is not None and st.state not in ("running", "queued"):
             status = st.state  # the job is gone but never closed its run (killed hard, node failure)

@@ -29,6 +29,7 @@ from esbatch.aggregate.smoothing import debiased_ema, local_std
 from esbatch.aggregate.tables import Section, finish, md_table, write_csv
 from esbatch.config.aggregate import (
     EVAL_KINDS,
+    HELDOUT,
     INDEX_FILE,
     Analysis,
     CurvesAnalysis,
@@ -77,12 +78,35 @@ def _param_errors(a: Analysis, runs: Sequence[RunResult]) -> list[str]:
     for fname, key in a.param_fields().items():
         if key not in known:
             errors.append(f"{path}.{fname}: unknown parameter {key!r}.{did_you_mean(key, known)} {hint}")
+    errors += _metric_errors(a, runs)
     if isinstance(a, ScalingAnalysis) and a.reference is not None and a.cols in known:
         values = _ordered(_param(r, a.cols) for r in runs)
         if a.reference not in values:
             shown = ", ".join(_fmt_param(v) for v in values)
             errors.append(f"{path}.reference: {a.reference!r} is not a value of {a.cols}; its values: {shown}")
     return errors
+
+
+def logged_metrics(runs: Sequence[RunResult]) -> list[str]:
+    """Every metric at least one run logged a point of, sorted."""
+    return sorted({m for r in runs for m, pts in r.history.items() if pts})
+
+
+def _metric_errors(a: Analysis, runs: Sequence[RunResult]) -> list[str]:
+    """The metrics ``a`` asks for that no run logged, each named with the closest logged name and the full list.
+    Nothing is checked while no run has logged anything yet (a sweep still queued still gets its report)."""
+    available = logged_metrics(runs)
+    if not available:
+        return []
+    asked = [("metric", a.metric)]
+    if isinstance(a, FinalAnalysis):
+        asked += [(f"also[{i}]", m) for i, m in enumerate(a.also)]
+    return [
+        f"{a.path or a.name}.{field}: no run logged {m!r}.{did_you_mean(m, available)} "
+        f"Logged metrics: {', '.join(available)}"
+        for field, m in asked
+        if m not in available
+    ]
 
 
 def varying_params(runs: Sequence[RunResult]) -> list[str]:
@@ -101,8 +125,10 @@ def default_analyses(runs: Sequence[RunResult]) -> list[Analysis]:
     axes = [k for k in varying if k not in SEED_KEYS] or varying
     hue = axes[0] if axes else None
     panels = axes[1] if len(axes) > 1 and axes[1] not in SEED_KEYS else None
+    logged = logged_metrics(runs)
+    also = [HELDOUT] if not logged or HELDOUT in logged else []  # no held-out evaluation: not asked for
     return [
-        FinalAnalysis(name="final_table", by=varying, path="default"),
+        FinalAnalysis(name="final_table", by=varying, also=also, path="default"),
         CurvesAnalysis(name="reward_curves", metric="reward/mean", hue=hue, panels=panels, path="default"),
     ]
 

@@ -281,17 +281,36 @@ def columns(ks: list[int], n: int, greedy: bool) -> list[str]:
     return cols + (["greedy"] if greedy else []) + ["entropy"]
 
 
-def write_tables(ed: EvalDir, results: dict[str, dict[str, float]], cols: list[str], title: str) -> None:
-    """table.csv / table.md: tasks x metrics (x100 except entropy), plus the average over tasks."""
+def task_average(results: dict[str, dict[str, float]], cols: list[str]) -> tuple[dict[str, float], dict[str, int]]:
+    """({column: mean over the tasks that have it}, {column: how many tasks that is}); a column no task has is
+    left out. F1 exists only for HotpotQA: its average is HotpotQA's F1 (n=1), never F1 summed / every task."""
+    avg, n = {}, {}
+    for c in cols:
+        vals = [r[c] for r in results.values() if c in r]
+        if vals:
+            avg[c], n[c] = sum(vals) / len(vals), len(vals)
+    return avg, n
+
+
+def write_tables(
+    ed: EvalDir, results: dict[str, dict[str, float]], cols: list[str], title: str
+) -> tuple[dict[str, float], dict[str, int]]:
+    """table.csv / table.md: tasks x metrics (x100 except entropy), plus the average over tasks.
+
+    The average of a column is over the tasks that have that column (:func:`task_average`). table.md labels
+    the row "Average (N tasks)" and marks a cell averaged over fewer tasks "(n=k)"; table.csv follows the
+    "Average" row with an "Average n" row holding each column's task count (and the problems summed).
+    Returns the averages and counts."""
     import csv
 
-    avg = {c: sum(r.get(c, 0.0) for r in results.values()) / max(len(results), 1) for c in cols}
-    rows = [*results.items(), ("Average", avg)]
+    avg, n_avg = task_average(results, cols)
+    problems = sum(int(r.get("problems", 0)) for r in results.values())
     with open(ed.path / "table.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["task", *cols, "problems"])
-        for name, r in rows:
+        for name, r in [*results.items(), ("Average", avg)]:
             w.writerow([name, *(f"{r.get(c, float('nan')):.6f}" for c in cols), r.get("problems", "")])
+        w.writerow(["Average n", *(n_avg.get(c, 0) for c in cols), problems])
 
     def fmt(c: str, v: float | None) -> str:
         if v is None:
@@ -307,18 +326,24 @@ def write_tables(ed: EvalDir, results: dict[str, dict[str, float]], cols: list[s
         for c in cols
     ]
     lines = [f"# {title}", "", "| Task | " + " | ".join(head) + " |", "|---|" + "---:|" * len(cols)]
-    for name, r in rows:
-        cells = [fmt(c, r.get(c)) for c in cols]
-        if name == "Average":
-            cells = [f"**{x}**" for x in cells]
-            name = "**Average**"
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for name, r in results.items():
+        lines.append(f"| {name} | " + " | ".join(fmt(c, r.get(c)) for c in cols) + " |")
+    if results:
+        cells = []
+        for c in cols:
+            cell = "-" if c not in avg else f"**{fmt(c, avg[c])}**"
+            cells.append(cell + (f" (n={n_avg[c]})" if c in avg and n_avg[c] < len(results) else ""))
+        label = f"**Average** ({len(results)} task{'s' if len(results) != 1 else ''})"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Values x100 (entropy in nats). Pass@K is the unbiased estimator; Maj@K votes over the first K "
-        "responses' normalized answers (no answer = abstain; ties go to the answer seen first).",
+        "responses' normalized answers (no answer = abstain; ties go to the answer seen first). "
+        "Average: the mean over the tasks that have the column; (n=k) marks a column only k tasks have "
+        "(F1: HotpotQA).",
     ]
     (ed.path / "table.md").write_text("\n".join(lines) + "\n")
+    return avg, n_avg
 
 
 def summarize(
@@ -335,13 +360,20 @@ def summarize(
     cols = columns(cfg.ks, cfg.sampling.n, cfg.sampling.greedy)
     if any("f1" in r for r in results.values()):
         cols.insert(cols.index("entropy"), "f1")
-    write_tables(ed, results, cols, f"{cfg.name}: {source or cfg.model.name}")
+    average, average_n = write_tables(ed, results, cols, f"{cfg.name}: {source or cfg.model.name}")
     with open(ed.path / "passk.csv", "w") as f:
         f.write("task,k,pass_at_k\n")
         for label, curve in curves.items():
             for k, v in enumerate(curve, 1):
                 f.write(f"{label},{k},{v:.6f}\n")
-    summary = {"tasks": results, "columns": cols, "n": cfg.sampling.n, "name": cfg.name}
+    summary = {
+        "tasks": results,
+        "average": average,  # each column's mean over the tasks that have it
+        "average_n": average_n,  # and how many tasks that is
+        "columns": cols,
+        "n": cfg.sampling.n,
+        "name": cfg.name,
+    }
     (ed.path / "metrics.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -436,10 +468,8 @@ def log_to_mlflow(cfg: EvalConfig, ed: EvalDir, src: WeightsSource, summary: dic
         for c in summary["columns"]:
             if c in r:
                 metrics[name(label, c)] = r[c]
-    for c in summary["columns"]:
-        vals = [r[c] for r in summary["tasks"].values() if c in r]
-        if vals:
-            metrics[name("average", c)] = sum(vals) / len(vals)
+    for c, v in task_average(summary["tasks"], summary["columns"])[0].items():
+        metrics[name("average", c)] = v
     if summary.get("tokens_per_s"):
         metrics["throughput/tokens_per_s"] = summary["tokens_per_s"]
     tr.log_metrics(metrics, step=0)

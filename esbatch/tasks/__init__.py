@@ -9,6 +9,11 @@ TASKS.register("gsm8k", "esbatch.tasks.gsm8k:GSM8KTask", help="GSM8K math word p
 TASKS.register("arithmetic", "esbatch.tasks.gym:ArithmeticTask", help="integer arithmetic, offline (reasoning-gym)")
 TASKS.register("chain_sum", "esbatch.tasks.gym:ChainSumTask", help="+ and - over 3-4 numbers, offline (reasoning-gym)")
 TASKS.register("countdown", "esbatch.tasks.gym:CountdownTask", help="Countdown numbers game, offline (reasoning-gym)")
+TASKS.register(
+    "countdown-gold",
+    "esbatch.tasks.countdown_gold:CountdownGoldTask",
+    help="Countdown-Task-GOLD (HuggingFaceTB), the dataset's own chat prompt, <answer> equation",
+)
 TASKS.register("math500", "esbatch.tasks.math_tasks:Math500Task", help="MATH-500 competition math, math-verify")
 TASKS.register("aime2024", "esbatch.tasks.math_tasks:AIME2024Task", help="AIME 2024 (math-ai), math-verify")
 TASKS.register("aime2025", "esbatch.tasks.math_tasks:AIME2025Task", help="AIME 2025 (math-ai), math-verify")

@@ -51,6 +51,9 @@ class Task:
     """
 
     family: ClassVar[str] = "math"
+    #: Problems ``eval_examples(None)`` draws from a task without a fixed test split (a generator has no
+    #: "whole split"); tasks that read a dataset override ``eval_examples`` and return all of its rows.
+    default_eval_size: ClassVar[int] = 500
 
     def __init__(self, data_path: str | None = None) -> None:
         self.data_path = data_path
@@ -99,8 +102,9 @@ class Task:
 
     # --- evaluation ------------------------------------------------------------------------
     def eval_examples(self, limit: int | None, seed: int = 0) -> list[Example]:
-        """The evaluation problems (a benchmark's test split; procedural tasks: ``limit`` fresh problems)."""
-        return self.splits(0, limit or 500, 0, seed)["heldout"]
+        """The evaluation problems: a dataset task's whole test split (``limit``: its first ``limit``); a
+        procedural task draws ``limit`` fresh problems, ``default_eval_size`` when ``limit`` is None."""
+        return self.splits(0, limit or self.default_eval_size, 0, seed)["heldout"]
 
     # --- validation ------------------------------------------------------------------------
     @classmethod

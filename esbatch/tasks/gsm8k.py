@@ -76,6 +76,15 @@ class GSM8KTask(Task):
             demo, train = train_rows[:n_demo], train_rows[n_demo:]
         return {"train": train[:n_train] if n_train else train, "heldout": heldout, "demo": demo}
 
+    def eval_examples(self, limit: int | None, seed: int = 0) -> list[Example]:
+        """The hub's test split (a local file: all its rows), all of it or its first ``limit`` problems."""
+        if self.data_path:
+            rows = load_rows(self.data_path, "train")
+        else:
+            rows = load_rows(self.hub_id, self.heldout_split, config=self.hub_config)
+        exs = [self._example(r) for r in rows]
+        return exs[:limit] if limit else exs
+
     def demo_response(self, ex: Example) -> str:
         steps = re.sub(r"<<[^>]*>>", "", ex.meta["solution"].split("####")[0]).strip()
         return f"{steps}\nThe answer is \\boxed{{{ex.answer}}}."

@@ -5,7 +5,14 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from esbatch.tasks.base import Example, Task, disjoint_splits
-from esbatch.tasks.verify import Verdict, check_boxed_number, check_countdown, countdown_key, number_key
+from esbatch.tasks.verify import (
+    Verdict,
+    check_boxed_number,
+    check_countdown,
+    countdown_key,
+    exact_target,
+    number_key,
+)
 
 
 class _GymTask(Task):
@@ -137,11 +144,19 @@ class CountdownTask(_GymTask):
         return self.cfg
 
     @staticmethod
-    def _example(numbers: list[int], target: int, expression: str = "") -> Example:
-        q = f"Numbers: {', '.join(str(n) for n in numbers)}. Target: {target}."
-        return Example(
-            question=q, answer=expression, meta={"numbers": [int(n) for n in numbers], "target": int(target)}
-        )
+    def _example(numbers: list[int], target: Any, expression: str = "") -> Example:
+        """Numbers must be integers (the verifier accepts integer literals only); the target is kept as given
+        (1.5 stays 1.5: it was cut to 1 once), only a whole float like 5.0 becomes the int 5."""
+        nums = []
+        for n in numbers:
+            if isinstance(n, bool) or not isinstance(n, (int, float)) or n != int(n):
+                raise ValueError(f"Countdown number {n!r} is not an integer (numbers {list(numbers)})")
+            nums.append(int(n))
+        if isinstance(target, float) and target.is_integer():
+            target = int(target)
+        exact_target(target)  # a target that is no number fails here, naming itself
+        q = f"Numbers: {', '.join(str(n) for n in nums)}. Target: {target}."
+        return Example(question=q, answer=expression, meta={"numbers": nums, "target": target})
 
     def _convert(self, item: dict[str, Any]) -> Example:
         m = item["metadata"]
@@ -171,6 +186,13 @@ class CountdownTask(_GymTask):
             "heldout": rows[n_demo : n_demo + n_heldout],
             "train": rest if n_train is None else rest[:n_train],
         }
+
+    def eval_examples(self, limit: int | None, seed: int = 0) -> list[Example]:
+        """A dataset's rows, all of them or the first ``limit``; generated problems without one."""
+        if not (self.data_path or self.hub_id):
+            return super().eval_examples(limit, seed)
+        rows = self._rows()
+        return rows[:limit] if limit else rows
 
     def demo_response(self, ex: Example) -> str:
         if not ex.answer:

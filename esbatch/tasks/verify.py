@@ -129,12 +129,32 @@ def _eval_countdown(node: ast.AST, used: list[int]) -> Fraction:
     raise _Invalid(f"{type(node).__name__} is not allowed")
 
 
-def check_countdown(response: str, numbers: list[int], target: int) -> Verdict:
-    """Countdown: the <answer> expression uses each given number exactly once and equals ``target``."""
+def exact_target(target: int | float | str | Fraction) -> Fraction:
+    """A Countdown target as an exact fraction: ``1.5``, ``"1.5"`` and ``"3/2"`` are all 3/2. A float means the
+    decimal it is written as (``0.1`` -> 1/10, not the binary double just above it), so no tolerance is needed."""
+    if isinstance(target, bool):
+        raise ValueError(f"Countdown target {target!r} is not a number")
+    if isinstance(target, float):
+        return Fraction(repr(target))  # the shortest decimal that round-trips: 0.1 -> "0.1" -> 1/10
+    if isinstance(target, (int, Fraction)):
+        return Fraction(target)
+    value = parse_number(str(target))
+    if value is None:
+        raise ValueError(f"Countdown target {target!r} is not a number")
+    return value
+
+
+def check_countdown(response: str, numbers: list[int], target: int | float | str | Fraction) -> Verdict:
+    """Countdown: the <answer> expression uses each given number exactly once and equals ``target`` exactly
+    (rational arithmetic: ``3 / 2`` equals a target of 1.5). A trailing ``= <target>`` is allowed."""
+    want = exact_target(target)
     expr = extract_answer_tag(response)
     if expr is None:
         return Verdict.MISSING
-    expr = expr.split("=")[0] if expr.count("=") == 1 and expr.split("=")[1].strip() == str(target) else expr
+    if expr.count("=") == 1 and len(expr) <= 200:
+        lhs, rhs = expr.split("=")
+        if parse_number(rhs) == want:
+            expr = lhs
     expr = expr.replace("×", "*").replace("÷", "/").replace("−", "-")
     if len(expr) > 200:
         return Verdict.WRONG
@@ -145,7 +165,7 @@ def check_countdown(response: str, numbers: list[int], target: int) -> Verdict:
         return Verdict.WRONG
     if Counter(used) != Counter(numbers):
         return Verdict.WRONG
-    return Verdict.CORRECT if value == target else Verdict.WRONG
+    return Verdict.CORRECT if value == want else Verdict.WRONG
 
 
 def number_key(response: str) -> str | None:

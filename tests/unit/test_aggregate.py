@@ -360,3 +360,91 @@ def test_parse_analyses_checks_parameter_names_against_runs():
     assert "8, 16, 32, 64" in ref_err
     with pytest.raises(ConfigError, match="unknown parameter 'model.nam'"):
         write_report(grid_runs(), [FinalAnalysis(name="f", by=["model.nam"])], Path("/nonexistent/never-written"))
+
+
+# ----------------------------------------------------------------------------- reading a sweep back (real MLflow)
+
+
+def logged_sweep(tmp_path, aggregate_spec):
+    """A sweep folder with a real sqlite MLflow store: s0 and s1 logged to MLflow, s2 only to its run folder."""
+    from esbatch.config import config_from_dict
+    from esbatch.launch.state import SweepDir
+    from esbatch.tracking import MLflowTracker
+
+    sd = SweepDir(tmp_path / "sweep")
+    keys = ["s0", "s1", "s2"]
+    uri = f"sqlite:///{sd.path / 'mlflow.db'}"
+    sd.plan.mkdir(parents=True)
+    for i, k in enumerate(keys):
+        sd.plan_path(k).write_text(config_from_dict({"es": {"updates": 3}, "run": {"seed": i}}).to_yaml())
+    with sd.locked() as m:
+        m.update(
+            name="t",
+            tracking="online",
+            tracking_uri=uri,
+            experiment="t",
+            aggregate=aggregate_spec,
+            runs=[{"key": k, "label": f"seed={i}", "index": i, "point": {"run.seed": i}} for i, k in enumerate(keys)],
+        )
+    for i, k in enumerate(keys):
+        rd = sd.run_dir(k)
+        rd.path.mkdir(parents=True)
+        rd.config.write_text(sd.plan_path(k).read_text())
+        for t in range(3):
+            rd.append_update({"t": t, "metrics": {"reward/mean": 0.1 * t + i, "policy/entropy": 2.0 - 0.5 * t + i}})
+        rd.append_eval({"t": 3, "heldout/accuracy": 0.25 + i})
+        rd.write_meta(status="finished", done=3)
+        if k == "s2":
+            continue  # never reached MLflow (its store lost): read from its folder
+        tr = MLflowTracker(uri, "t", sd.path / "mlartifacts")
+        tr.start(k, {"run.seed": i, "es.sigma": 0.001}, {"esbatch.sweep": "t", "esbatch.run_key": k})
+        for t in range(3):
+            tr.log_metrics({"reward/mean": 0.1 * t + i, "policy/entropy": 2.0 - 0.5 * t + i}, step=t + 1)
+        tr.log_metrics({"heldout/accuracy": 0.25 + i}, step=3)
+        tr.end("FINISHED")
+    return sd
+
+
+def test_aggregate_reads_any_logged_metric(tmp_path):
+    """Any metric the runs logged can be analysed, not only reward/mean and heldout/accuracy; a run that never
+    reached MLflow is read from its log.jsonl / eval.jsonl."""
+    from esbatch.aggregate.collect import aggregate
+
+    spec = [{"kind": "final", "name": "entropy", "metric": "policy/entropy", "smoothing": 0.0, "by": ["run.seed"]}]
+    out = aggregate(logged_sweep(tmp_path, spec).path)
+    rows = {r["key"]: r for r in read_csv(out / "entropy.csv")}
+    for i, k in enumerate(["s0", "s1", "s2"]):
+        assert float(rows[k]["policy/entropy (smoothed)"]) == pytest.approx(2.0 - 1.0 + i), rows[k]
+        assert float(rows[k]["heldout/accuracy"]) == pytest.approx(0.25 + i)
+        assert rows[k]["note"] == ""
+    assert "no policy/entropy" not in (out / "README.md").read_text()
+
+
+def test_aggregate_names_a_missing_metric_and_lists_the_logged_ones(tmp_path):
+    from esbatch.aggregate.collect import aggregate
+
+    spec = [
+        {"kind": "curves", "name": "c", "metric": "policy/entropyy"},
+        {"kind": "final", "name": "f", "also": ["heldout/acc"]},
+    ]
+    sd = logged_sweep(tmp_path, spec)
+    with pytest.raises(ConfigError) as e:
+        aggregate(sd.path)
+    curve_err, also_err = e.value.errors
+    assert curve_err.startswith("aggregate[0].metric: no run logged 'policy/entropyy'.")
+    assert "Did you mean 'policy/entropy'?" in curve_err
+    assert "Logged metrics: heldout/accuracy, policy/entropy, reward/mean" in curve_err
+    assert also_err.startswith("aggregate[1].also[0]: no run logged 'heldout/acc'.")
+    assert "Did you mean 'heldout/accuracy'?" in also_err
+    assert not (sd.results / "c.csv").exists()  # nothing half-written
+
+
+def test_default_report_does_not_ask_for_a_metric_nobody_logged(tmp_path):
+    runs = [make_run(MODELS[0], 16), make_run(MODELS[0], 8)]
+    for r in runs:
+        del r.history["heldout/accuracy"]  # no held-out evaluation in this sweep
+    final, _ = default_analyses(runs)
+    assert final.also == []
+    write_report(runs, None, tmp_path)
+    with pytest.raises(ConfigError, match="no run logged 'heldout/accuracy'"):
+        write_report(runs, [FinalAnalysis(name="f")], tmp_path)

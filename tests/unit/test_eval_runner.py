@@ -124,6 +124,8 @@ def test_shipped_eval_configs_match_the_paper_protocol():
         assert (c.sampling.n, c.sampling.temperature, c.sampling.max_new_tokens) == (32, 0.6, tokens)
         assert c.sampling.greedy is greedy and c.ks == [1, 16, 32]
     assert [t.name for t in load_eval_config("eval-hard").task_list()] == ["aime2024", "aime2025", "amc2023", "math500"]
+    easy = [t.name for t in load_eval_config("eval-easy").task_list()]
+    assert easy == ["gsm8k", "commonsenseqa", "hotpotqa", "countdown-gold", "gpqa", "mbpp"]  # App. G.6's suite
     yaml.safe_dump(load_eval_config("eval-quick").to_dict())  # serializable as written to the eval folder
     json.dumps(load_eval_config("eval-easy").to_dict())
 
@@ -164,11 +166,49 @@ def test_the_paper_suite_runs_end_to_end_on_fixtures(tmp_path, tiny_model_dir):
             ("mbpp", "mbpp_tiny.jsonl"),
             ("aime2024", "aime_tiny.jsonl"),
             ("amc2023", "amc_tiny.jsonl"),
+            ("countdown-gold", "countdown_gold_tiny.jsonl"),
         )
     ]
     s = evaluate(eval_config_from_dict(d), progress=False)
-    assert set(s["tasks"]) == {"math500", "commonsenseqa", "gpqa", "hotpotqa", "mbpp", "aime2024", "amc2023"}
+    assert set(s["tasks"]) == {
+        "math500",
+        "commonsenseqa",
+        "gpqa",
+        "hotpotqa",
+        "mbpp",
+        "aime2024",
+        "amc2023",
+        "countdown-gold",
+    }
     assert all(r["problems"] == 2 for r in s["tasks"].values())
     assert "f1" in s["columns"] and "f1" in s["tasks"]["hotpotqa"] and "f1" not in s["tasks"]["math500"]
     table = (tmp_path / "evals" / "ev" / "table.md").read_text()
     assert "| F1 |" in table and "| hotpotqa |" in table and "| mbpp |" in table
+
+
+def test_average_is_over_the_tasks_that_have_the_column(tmp_path):
+    """F1 only exists for HotpotQA: its average is HotpotQA's F1 (n=1), not F1 / 3 tasks."""
+    import csv
+
+    from esbatch.eval.runner import write_tables
+
+    results = {
+        "GSM8K": {"pass@1": 0.5, "entropy": 0.25, "problems": 10},
+        "CSQA": {"pass@1": 0.7, "entropy": 0.35, "problems": 10},
+        "HotpotQA": {"pass@1": 0.3, "f1": 0.6, "entropy": 0.45, "problems": 10},
+    }
+    ed = EvalDir(tmp_path)
+    out = write_tables(ed, results, ["pass@1", "f1", "entropy"], "t")
+    with open(tmp_path / "table.csv", newline="") as f:
+        rows = {r["task"]: r for r in csv.DictReader(f)}
+    assert float(rows["Average"]["f1"]) == pytest.approx(0.6) and float(rows["Average"]["pass@1"]) == pytest.approx(0.5)
+    assert (rows["Average n"]["f1"], rows["Average n"]["pass@1"], rows["Average n"]["problems"]) == ("1", "3", "30")
+    assert rows["GSM8K"]["f1"] == "nan"
+    md = (tmp_path / "table.md").read_text()
+    avg_line = next(line for line in md.splitlines() if line.startswith("| **Average**"))
+    cells = [c.strip() for c in avg_line.strip("|").split("|")]
+    assert cells == ["**Average** (3 tasks)", "**50.0**", "**60.0** (n=1)", "**0.350**"]
+    assert "| GSM8K | 50.0 | - | 0.250 |" in md
+    assert "over the tasks that have the column" in md
+    avg, n = out
+    assert avg["f1"] == pytest.approx(0.6) and n["f1"] == 1 and n["pass@1"] == 3

@@ -282,3 +282,128 @@ def test_params_are_validated():
     assert any("timeout_s" in e and "float" in e for e in errors), errors
     assert set(GPQATask.param_spec()) == {"hub_id", "hub_config", "split", "revision", "demo_path", "shuffle_seed"}
     assert set(DeepScaleRTask.param_spec()) == {"hub_id", "split", "revision", "timeout_s"}
+
+
+# ----------------------------------------------------------------------------- Countdown-Task-GOLD
+
+GOLD_SYSTEM = (
+    "You are a helpful assistant. You first think about the reasoning process in the mind and then provide the "
+    "user with the answer."
+)
+
+
+def gold_user(nums, target):
+    return (
+        f"Using the numbers {nums}, create an equation that equals {target}. You can use basic arithmetic "
+        "operations (+, -, *, /) and each number can only be used once. Show your work in <think> </think> tags. "
+        "And return the final equation and answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 = 1 "
+        "</answer>."
+    )
+
+
+def gold_rows():
+    """Rows in the hub's `test` config schema: prompt (role/content messages), target, nums."""
+    problems = [([44, 19, 35], 98), ([63, 95, 96], 64), ([95, 11, 56], 28), ([19, 74, 45], 48)]
+    return [
+        {
+            "prompt": [{"content": GOLD_SYSTEM, "role": "system"}, {"content": gold_user(n, t), "role": "user"}],
+            "target": t,
+            "nums": n,
+        }
+        for n, t in problems
+    ]
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_countdown_gold_local_file_uses_the_datasets_messages(tmp_path, suffix):
+    import datasets
+
+    from esbatch.tasks import TASKS
+
+    path = tmp_path / f"gold.{suffix}"
+    if suffix == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in gold_rows()))
+    else:
+        datasets.Dataset.from_list(gold_rows()).to_parquet(str(path))
+    task = TASKS.get("countdown-gold")(str(path))
+    assert task.family == "countdown"
+    exs = task.eval_examples(None)
+    assert [(e.meta["numbers"], e.meta["target"]) for e in exs] == [(r["nums"], r["target"]) for r in gold_rows()]
+    ex = exs[0]
+    assert task.messages(ex, []) == gold_rows()[0]["prompt"]  # verbatim: the task statement is not rewritten
+    assert ex.question == gold_user([44, 19, 35], 98)
+    assert task.score("<think>...</think> <answer>(44 + 19) + 35 = 98</answer>", ex) is C
+    assert task.score("<answer>44 + 19 + 35</answer>", ex) is C
+    assert task.score("<answer>44 + 19 * 35</answer>", ex) is W
+    assert task.score("<answer>44 + 35 + 19 + 0</answer>", ex) is W
+    assert task.score("98", ex) is M
+    assert task.answer_key("<answer> 44 + 19 + 35 </answer>", ex) == "44+19+35"
+    sp = task.splits(0, 2, 0, seed=0)
+    assert len(sp["heldout"]) == 2 and sp["train"] == [] and sp["demo"] == []
+    with pytest.raises(ValueError, match="no training split"):
+        task.splits(5, 0, 0, seed=0)
+    with pytest.raises(ValueError, match="few-shot"):
+        task.splits(0, 2, 1, seed=0)
+
+
+def test_countdown_gold_prompt_goes_through_the_chat_template(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from esbatch.tasks.countdown_gold import CountdownGoldTask
+
+    task = CountdownGoldTask()
+    ex = task._convert(gold_rows()[1])
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    text = tok.apply_chat_template(task.messages(ex, []), tokenize=False, add_generation_prompt=True)
+    assert GOLD_SYSTEM in text and gold_user([63, 95, 96], 64) in text
+    assert text.index(GOLD_SYSTEM) < text.index(gold_user([63, 95, 96], 64))
+    assert task.messages(ex, [], "custom")[0] == {"role": "system", "content": "custom"}  # explicit override only
+
+
+def test_countdown_gold_verified_rows_and_demos(tmp_path):
+    """verified_* configs: `messages` ending with the teacher's correct assistant turn (a JSON string is read too)."""
+    from esbatch.tasks.countdown_gold import CountdownGoldTask
+
+    reply = "<think>95 - 11 = 84, 84 / 56 ...</think>\n<answer>(95 - 11) * 56 / 168</answer>"
+    rows = []
+    for r in gold_rows():
+        rows.append({"messages": [*r["prompt"], {"role": "assistant", "content": reply}], **r})
+        del rows[-1]["prompt"]
+    rows[1]["messages"] = json.dumps(rows[1]["messages"])
+    demo = tmp_path / "verified.jsonl"
+    demo.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = CountdownGoldTask(demo_path=str(demo))
+    ex = task._convert(json.loads(demo.read_text().splitlines()[1]))
+    assert [m["role"] for m in ex.meta["messages"]] == ["system", "user"]  # the reply is not part of the prompt
+    assert task.demo_response(ex) == reply and ex.answer == "(95 - 11) * 56 / 168"
+    msgs = task.messages(task._convert(gold_rows()[3]), [ex])
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
+    assert msgs[0]["content"] == GOLD_SYSTEM and msgs[2]["content"] == reply
+
+
+def test_countdown_gold_hub_id_and_bad_rows(monkeypatch, tmp_path):
+    import datasets
+
+    from esbatch.tasks import TASKS
+
+    calls = []
+
+    def fake_load(path, name=None, split=None, revision=None, **kw):
+        calls.append((path, name, split, revision))
+        return gold_rows()
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    assert len(TASKS.get("countdown-gold")().eval_examples(None)) == 4
+    assert len(TASKS.get("countdown-gold")(hub_config="all", split="train").eval_examples(2)) == 2
+    assert calls == [
+        ("HuggingFaceTB/Countdown-Task-GOLD", "test", "test", None),
+        ("HuggingFaceTB/Countdown-Task-GOLD", "all", "train", None),
+    ]
+    monkeypatch.undo()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"target": 3, "nums": [1, 2]}) + "\n")
+    with pytest.raises(ValueError, match="prompt, messages"):
+        TASKS.get("countdown-gold")(str(bad)).eval_examples(None)
+    bad.write_text(json.dumps({"prompt": [{"role": "system", "content": "x"}], "target": 3, "nums": [1, 2]}) + "\n")
+    with pytest.raises(ValueError, match="no user turn"):
+        TASKS.get("countdown-gold")(str(bad)).eval_examples(None)

@@ -119,3 +119,50 @@ def test_countdown_from_a_dataset_file(tmp_path):
     bad.write_text('{"target": 3}\n')
     with pytest.raises(ValueError, match="needs 'target' and 'nums'"):
         TASKS.get("countdown")(str(bad)).eval_examples(None)
+
+
+def test_gsm8k_eval_without_limit_is_the_whole_test_split(monkeypatch):
+    """`limit: null` means the whole split (1,319 GSM8K test problems), not a hidden first 500."""
+    import datasets
+
+    # a local file is evaluated whole
+    assert len(TASKS.get("gsm8k")(str(FIXTURE)).eval_examples(None)) == len(FIXTURE.read_text().splitlines())
+    test_rows = [{"question": f"t{i}", "answer": f"... #### {i}"} for i in range(1319)]
+    train_rows = [{"question": f"q{i}", "answer": f"... #### {i}"} for i in range(7)]
+
+    def fake_load(path, name=None, split=None, revision=None, **kw):
+        assert (path, name) == ("openai/gsm8k", "main")
+        return {"train": train_rows, "test": test_rows}[split]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    task = TASKS.get("gsm8k")()
+    exs = task.eval_examples(None)
+    assert len(exs) == 1319 and exs[-1].answer == "1318"
+    assert [e.question for e in task.eval_examples(3)] == ["t0", "t1", "t2"]
+
+
+def test_countdown_dataset_eval_without_limit_reads_every_row(tmp_path):
+    import json
+
+    f = tmp_path / "cd.jsonl"
+    f.write_text("".join(json.dumps({"nums": [i, 1, 2], "target": i + 3}) + "\n" for i in range(600)))
+    task = TASKS.get("countdown")(str(f))
+    assert len(task.eval_examples(None)) == 600
+    assert [e.meta["target"] for e in task.eval_examples(2)] == [3, 4]
+    assert len(TASKS.get("arithmetic")().eval_examples(7)) == 7
+
+
+def test_countdown_keeps_non_integer_targets(tmp_path):
+    """A dataset target of 1.5 stays 1.5 (it was cut to 1, so '3 - 2' scored CORRECT and '3 / 2' WRONG)."""
+    f = tmp_path / "cd.jsonl"
+    f.write_text('{"nums": [3, 2], "target": 1.5}\n{"nums": [3, 2], "target": 5.0}\n')
+    ex, whole = TASKS.get("countdown")(str(f)).eval_examples(None)
+    assert ex.meta == {"numbers": [3, 2], "target": 1.5} and ex.question == "Numbers: 3, 2. Target: 1.5."
+    task = TASKS.get("countdown")(str(f))
+    assert task.score("<answer>3 / 2</answer>", ex) is Verdict.CORRECT
+    assert task.score("<answer>3 - 2</answer>", ex) is Verdict.WRONG
+    assert whole.meta["target"] == 5 and whole.question.endswith("Target: 5.")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"nums": [2.5, 2], "target": 5}\n')
+    with pytest.raises(ValueError, match="2.5"):
+        TASKS.get("countdown")(str(bad)).eval_examples(None)

@@ -117,6 +117,23 @@ def test_countdown_exact_fractions():
     assert check_countdown("<answer>(1 + 1 / 3) * 3</answer>", [1, 1, 3, 3], 4) is C
 
 
+@pytest.mark.parametrize("target", [1.5, "1.5", "3/2"])
+def test_countdown_non_integer_targets_compare_exactly(target):
+    """3/2 == 1.5 exactly, a wrong value is not rounded onto the target, and '= 1.5' / '= 3/2' may follow."""
+    assert check_countdown("<answer>3 / 2</answer>", [3, 2], target) is C
+    assert check_countdown("<answer>3 / 2 = 1.5</answer>", [3, 2], target) is C
+    assert check_countdown("<answer>3 / 2 = 3/2</answer>", [3, 2], target) is C
+    assert check_countdown("<answer>3 - 2</answer>", [3, 2], target) is W  # 1, not 1.5
+    assert check_countdown("<answer>3 / 2 = 1</answer>", [3, 2], target) is W
+
+
+def test_countdown_float_targets_mean_their_decimal_value():
+    """0.1 is not exactly 1/10 in binary; the target means the decimal it is written as."""
+    assert check_countdown("<answer>1 / 10</answer>", [1, 10], 0.1) is C
+    assert check_countdown("<answer>2 / 3</answer>", [2, 3], 0.6666666666666666) is W  # not 2/3: no tolerance
+    assert check_countdown("<answer>(25 - 5) * 3</answer>", [25, 5, 3], 60.0) is C
+
+
 def test_answer_tag_multiline():
     assert extract_answer_tag("<answer>\n 1 + 2\n</answer>") == "1 + 2"
 

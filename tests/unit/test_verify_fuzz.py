@@ -29,6 +29,7 @@ BUILD = {  # registered name -> (task, a few of its examples)
     "arithmetic": lambda t: (t := t(), t.splits(2, 0, 0, seed=0)["train"]),
     "chain_sum": lambda t: (t := t(), t.splits(2, 0, 0, seed=0)["train"]),
     "countdown": lambda t: (t := t(_fixture("countdown")), t.eval_examples(2)),
+    "countdown-gold": lambda t: (t := t(_fixture("countdown_gold")), t.eval_examples(2)),
     "math500": lambda t: (t := t(_fixture("math500"), timeout_s=1.0), t.eval_examples(2)),
     "aime2024": lambda t: (t := t(_fixture("aime"), timeout_s=1.0), t.eval_examples(2)),
     "aime2025": lambda t: (t := t(_fixture("aime"), timeout_s=1.0), t.eval_examples(2)),
