@@ -65,8 +65,18 @@ class EvalSet:
     task_order: list[str]
     train_task: str | None
 
-    def heldout(self) -> list[str]:
-        return [t for t in self.task_order if t != self.train_task]
+    def heldout(self, tasks: list[str] | None = None) -> list[str]:
+        return [t for t in (tasks or self.task_order) if t != self.train_task]
+
+    def tasks_of(self, a: Any) -> tuple[list[str], list[str]]:
+        """(tasks shown, held-out tasks averaged) for analysis ``a`` (its ``tasks`` list, else every task)."""
+        unknown = [t for t in a.tasks if t not in self.task_order]
+        if unknown:
+            from esbatch.config.schema import ConfigError
+
+            raise ConfigError([f"{a.path or a.name}.tasks: no eval has {unknown}; task labels: {self.task_order}"])
+        tasks = list(a.tasks) or self.task_order
+        return tasks, self.heldout(tasks)
 
 
 def load_evals(sd: SweepDir, ks: Sequence[int] = (1, 16, 32)) -> EvalSet:
@@ -83,12 +93,18 @@ def load_evals(sd: SweepDir, ks: Sequence[int] = (1, 16, 32)) -> EvalSet:
         point = dict(e["point"])
         if e.get("source"):  # the run's point says its method and axes; its config the model
             point.setdefault("model.name", plan["model"]["name"])
+            point.setdefault("method", e["label"].removesuffix(" (eval)"))  # a sweep without `methods:`
         entry = EvalEntry(e["key"], e["label"], point, eval_done(folder))
         for lab in labels:
             rows = read_jsonl(folder / "samples" / f"{lab.replace('/', '_')}.jsonl")[0]
             if rows:
                 entry.tasks[lab] = task_samples(rows, plan.get("ks") or list(ks))
-        entries.append(entry)
+        same = next((x for x in entries if x.point == point), None)
+        if same is None:
+            entries.append(entry)
+        else:  # another eval config's suite for the same model: one row with both suites' tasks
+            same.tasks.update(entry.tasks)
+            same.finished = same.finished and entry.finished
     return EvalSet(entries, order, meta.get("train_task"))
 
 
@@ -169,7 +185,7 @@ def heldout_mean(e: EvalEntry, tasks: list[str], metric: str) -> tuple[float | N
 
 def write_eval_table(es: EvalSet, a: Any, out_dir: Path) -> Any:
 
-    tasks, held = es.task_order, es.heldout()
+    tasks, held = es.tasks_of(a)
     csv_rows, parts = [], []
     for panel, entries in _groups(es, a):
         base = _base_of(entries)
@@ -249,6 +265,7 @@ def write_eval_wins(es: EvalSet, a: Any, out_dir: Path) -> Any:
     and how often each method is below its base model."""
 
     rows, csv_rows = [], []
+    tasks, _ = es.tasks_of(a)
     for metric in a.metrics:
         n = wins = sig = 0
         below = {a.a: 0, a.b: 0}
@@ -258,7 +275,7 @@ def write_eval_wins(es: EvalSet, a: Any, out_dir: Path) -> Any:
             base = _base_of(entries)
             if ea is None or eb is None:
                 continue
-            for t in es.task_order:
+            for t in tasks:
                 if t not in ea.tasks or t not in eb.tasks or metric not in ea.tasks[t].values:
                     continue
                 d = paired_diff(ea.tasks[t], eb.tasks[t], metric)
@@ -322,13 +339,14 @@ def write_pareto(es: EvalSet, a: Any, out_dir: Path) -> Any:
     """Figure 3: x = Pass@1, y = Pass@K, one point per (method, model), per task and for the held-out average."""
     import matplotlib.pyplot as plt
 
-    panels = [*es.task_order, AVG]
+    tasks, held = es.tasks_of(a)
+    panels = [*tasks, AVG]
     fig, axes = _figure(len(panels))
     color, marker = _styles(es)
     for ax, t in zip(axes, panels):
         for e in es.entries:
             if t == AVG:
-                (x, _), (y, _) = heldout_mean(e, es.heldout(), a.x), heldout_mean(e, es.heldout(), a.y)
+                (x, _), (y, _) = heldout_mean(e, held, a.x), heldout_mean(e, held, a.y)
             else:
                 ts = e.tasks.get(t)
                 x, y = (ts.mean(a.x), ts.mean(a.y)) if ts else (None, None)
@@ -364,11 +382,12 @@ def write_passk(es: EvalSet, a: Any, out_dir: Path) -> Any:
     """Pass@K for K = 1..n per task: one line per (method, model), markers at every K."""
     import matplotlib.pyplot as plt
 
-    fig, axes = _figure(len(es.task_order))
+    tasks, _ = es.tasks_of(a)
+    fig, axes = _figure(len(tasks))
     color, marker = _styles(es)
     styles = dict(zip(dict.fromkeys(e.param("model.name") for e in es.entries), ["-", "--", ":", "-."] * 4))
     rows = []
-    for ax, t in zip(axes, es.task_order):
+    for ax, t in zip(axes, tasks):
         for e in es.entries:
             ts = e.tasks.get(t)
             if ts is None:

@@ -200,7 +200,19 @@ _EVAL_METRIC = re.compile(r"^((pass|maj)@\d+|entropy|greedy|format|f1)$")
 
 
 @dataclass(kw_only=True)
-class EvalTableAnalysis(Analysis):
+class EvalAnalysis(Analysis):
+    """Fields of every analysis that reads a sweep's evaluations."""
+
+    tasks: list[str] = setting(
+        [], "task labels to show, in this order (default: every task of the evals)", check=_key_list
+    )
+
+    def param_fields(self) -> dict[str, str]:
+        return {k: v for k, v in super().param_fields().items() if not k.startswith("tasks[")}  # labels, not params
+
+
+@dataclass(kw_only=True)
+class EvalTableAnalysis(EvalAnalysis):
     """Paper Tables 2/3/5 (Pass@K), 8/9 (Maj@K) and, with ``delta``, 10 (change vs the base model): one table
     per metric and ``panels`` value, ``rows`` x tasks plus the average over held-out tasks."""
 
@@ -213,7 +225,7 @@ class EvalTableAnalysis(Analysis):
 
 
 @dataclass(kw_only=True)
-class EvalWinsAnalysis(Analysis):
+class EvalWinsAnalysis(EvalAnalysis):
     """How many (model, task, metric) comparisons method ``a`` wins over ``b``, and how often each falls below
     the base model (the paper's "15 of 18 comparisons")."""
 
@@ -225,7 +237,7 @@ class EvalWinsAnalysis(Analysis):
 
 
 @dataclass(kw_only=True)
-class ParetoAnalysis(Analysis):
+class ParetoAnalysis(EvalAnalysis):
     """Paper Figure 3: every model's Pass@1 (x) against Pass@K (y), one panel per task and the held-out average."""
 
     kind: ClassVar[str] = "pareto"
@@ -235,7 +247,7 @@ class ParetoAnalysis(Analysis):
 
 
 @dataclass(kw_only=True)
-class PassKAnalysis(Analysis):
+class PassKAnalysis(EvalAnalysis):
     """Pass@K for K = 1..n per task, one line per method (line style per model): where the curves cross."""
 
     kind: ClassVar[str] = "passk"

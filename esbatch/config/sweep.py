@@ -25,16 +25,28 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from esbatch.config.schema import ConfigError, Schema, folder_name, setting
+from esbatch.config.schema import ConfigError, Invalid, Schema, expects, folder_name, setting
+
+
+@expects("an eval config name or path, or a non-empty list of them")
+def _configs(v: Any) -> str | list[str]:
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not items or not all(isinstance(x, str) and x.strip() for x in items):
+        raise Invalid(f"got {v!r}")
+    return v
 
 
 @dataclass
 class EvaluateSpec(Schema):
     """The evaluation phase of a sweep (paper RQ1: every final model and its base model on one suite)."""
 
-    config: str = setting(help="Eval config: a built-in name (`esbatch ls`) or a path relative to the sweep file.")
+    config: Any = setting(
+        help="Eval config(s): a built-in name (`esbatch ls`) or a path relative to the sweep file, or a list of "
+        "them (e.g. the Hard setting's math suite and its held-out suite); task labels must be distinct.",
+        check=_configs,
+    )
     base_models: bool = setting(True, "Also evaluate each distinct base model (the tables' Base rows and deltas).")
     train_task: str | None = setting(
         None, "Label of the suite's training task: shown, but left out of the average over held-out tasks."

@@ -45,27 +45,47 @@ def _hash(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def load_eval_base(spec: Any, sweep_path: Path, errors: list[str]) -> dict[str, Any] | None:
-    """The sweep's eval config as a dict (a path relative to the sweep file first, then a built-in name)."""
-    try:
-        rel = sweep_path.parent / spec.config
-        data = deep_merge(read_yaml(rel if rel.is_file() else find(spec.config, "eval")), spec.set)
-        labels = [t.label or t.name for t in eval_config_from_dict(data).task_list()]
-    except ConfigError as e:
-        errors.extend(f"evaluate.config: {m}" for m in e.errors)
-        return None
-    if spec.train_task is not None and spec.train_task not in labels:
+def load_eval_bases(spec: Any, sweep_path: Path, errors: list[str]) -> list[dict[str, Any]]:
+    """The sweep's eval config(s) as dicts (each a path relative to the sweep file first, then a built-in name)."""
+    out, labels = [], []
+    for name in [spec.config] if isinstance(spec.config, str) else spec.config:
+        try:
+            rel = sweep_path.parent / name
+            data = deep_merge(read_yaml(rel if rel.is_file() else find(name, "eval")), spec.set)
+            labels += [t.label or t.name for t in eval_config_from_dict(data).task_list()]
+            out.append(data)
+        except ConfigError as e:
+            errors.extend(f"evaluate.config: {m}" for m in e.errors)
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        errors.append(
+            f"evaluate.config: task labels {', '.join(dup)} appear in more than one eval config; relabel them"
+        )
+    if spec.train_task is not None and out and spec.train_task not in labels:
         errors.append(
             f"evaluate.train_task: '{spec.train_task}' is not a task label of {spec.config}."
             f"{did_you_mean(spec.train_task, labels)} Its labels: {', '.join(labels)}"
         )
-    return data
+    return out
 
 
 def plan_evals(
+    spec: Any, bases: list[dict[str, Any]], runs: list[Any], sweep_dir: Path, experiment: str, errors: list[str]
+) -> list[PlannedEval]:
+    """Per eval config: one eval per run (its final center) and, with ``base_models``, one per distinct base
+    model (and one per evaluate-only model)."""
+    out: list[PlannedEval] = []
+    for base in bases:
+        suffix = f" [{base.get('name', 'eval')}]" if len(bases) > 1 else ""
+        for e in _plan_one(spec, base, runs, sweep_dir, experiment, errors):
+            e.label += suffix
+            out.append(e)
+    return sorted(out, key=lambda e: e.source is not None)  # evals that start at once first
+
+
+def _plan_one(
     spec: Any, eval_base: dict[str, Any], runs: list[Any], sweep_dir: Path, experiment: str, errors: list[str]
 ) -> list[PlannedEval]:
-    """One eval per run (its final center) and, with ``base_models``, one per distinct base model."""
     uri = runs[0].config.tracking.uri if runs else None
     common = {"output_dir": str(sweep_dir / "evals"), "tracking": {"uri": uri, "experiment": experiment}}
     out: list[PlannedEval] = []

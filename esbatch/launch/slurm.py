@@ -144,26 +144,32 @@ def submit(
     Evals that wait for a training submitted now go in an array whose task i starts when training task i has
     succeeded (``--dependency=aftercorr``); one waiting for an earlier submission's task gets ``afterok`` on it.
     """
+    from esbatch.launch.evals import is_eval_key
     from esbatch.launch.task import CLIJob
 
     after = after or {}
     size = profile.max_array_size or max_array_size()
-    waiting = {dep: k for k, dep in after.items()}  # one eval per run
-    first = [k for k in keys if k not in after]
-    records = []
-    for part in chunks(first, size):
+    waiting: dict[str, list[str]] = {}  # run -> its evals (one per eval config)
+    for k, dep in after.items():
+        waiting.setdefault(dep, []).append(k)
+    train = [k for k in keys if not is_eval_key(k)]
+    ready = [k for k in keys if is_eval_key(k) and k not in after]  # base models, runs already trained
+    records = [_array(profile, sd, f"esbatch-{name}-eval", part) for part in chunks(ready, size)]
+    for part in chunks(train, size):
         rec = _array(profile, sd, f"esbatch-{name}", part)
         records.append(rec)
-        evals = [waiting.pop(k) for k in part if k in waiting]
-        if evals and len(evals) == len(part):  # aligned: eval i after run i
-            dep = f"aftercorr:{rec['job_id']}" if rec["array"] else f"afterok:{rec['job_id']}"
-            records.append(_array(profile, sd, f"esbatch-{name}-eval", evals, dep))
-        else:
+        mine = [waiting.pop(k, []) for k in part]
+        for j in range(max(map(len, mine), default=0)):  # the j-th eval config's evals of this part
+            evals = [e[j] for e in mine if len(e) > j]
+            if len(evals) == len(part):  # aligned: eval i after run i
+                dep = f"aftercorr:{rec['job_id']}" if rec["array"] else f"afterok:{rec['job_id']}"
+                records.append(_array(profile, sd, f"esbatch-{name}-eval", evals, dep))
+                continue
             for k in evals:
                 dep = f"afterok:{_task_id(rec, part.index(after[k]))}"
                 records.append(_array(profile, sd, f"esbatch-{name}-eval", [k], dep))
     earlier = sd.last_submission()
-    for k in waiting.values():  # the run was queued by an earlier `esbatch sweep`
+    for k in (k for ks in waiting.values() for k in ks):  # the run was queued by an earlier `esbatch sweep`
         sub = earlier.get(after[k])
         if sub and sub.get("kind", "slurm") == "slurm":  # else: submitted by the next `esbatch sweep`
             dep = f"afterok:{_task_id(sub, sub['array_index'])}"

@@ -20,7 +20,7 @@ from esbatch.config.loader import find, read_yaml
 from esbatch.config.run import RESUME_OVERRIDABLE, TrainConfig, config_from_dict, parse_overrides
 from esbatch.config.schema import ConfigError, build, deep_merge, describe, flatten
 from esbatch.config.sweep import SWEEP_KEYS, SweepFile
-from esbatch.launch.evals import PlannedEval, load_eval_base, plan_evals
+from esbatch.launch.evals import PlannedEval, load_eval_bases, plan_evals
 from esbatch.registry import did_you_mean
 
 __all__ = ["SWEEP_KEYS", "PlannedRun", "Sweep", "load_sweep", "run_key"]
@@ -160,9 +160,9 @@ def load_sweep(
     runs = _expand(spec.name, base_data, axes, sweep_dir, src)
     evals: list[PlannedEval] = []
     if spec.evaluate is not None:
-        eval_base = load_eval_base(spec.evaluate, path, errors)
-        if eval_base is not None:
-            evals = plan_evals(spec.evaluate, eval_base, runs, sweep_dir, experiment, errors)
+        bases = load_eval_bases(spec.evaluate, path, errors)
+        if bases:
+            evals = plan_evals(spec.evaluate, bases, runs, sweep_dir, experiment, errors)
         if errors:
             raise ConfigError(errors, src)
     from esbatch.config.aggregate import parse_specs

@@ -377,3 +377,48 @@ def test_grpo_and_pipeline_sweeps_finish_and_a_requeued_pipeline_resumes_its_sta
         assert f"{n} runs: {n} finished" in out and out.count(budget) == n, out
         out, calls = cli(tmp_path, "sweep", str(path))
         assert calls == 0 and f"skipping {n} finished" in out and "nothing to submit" in out, out
+
+
+def test_evals_start_per_finished_run_through_an_aftercorr_array(tmp_path, tiny_model_dir):
+    """A sweep with `evaluate:` on SLURM: the base model's eval runs at once, the trained runs' evals form an
+    array whose task i waits for training task i (aftercorr), and the aggregator tabulates them afterwards."""
+    suite = {
+        "name": "toy-suite",
+        "sampling": {"n": 4, "temperature": 1.0, "max_new_tokens": 6, "batch_size": 16},
+        "ks": [1, 2, 4],
+        "tasks": [{"name": "toy:DigitTask", "label": "Digits", "params": {"size": 16}, "limit": 4}],
+    }
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
+    path = shrunk_quickstart(
+        tmp_path,
+        tiny_model_dir,
+        "ev",
+        updates=2,
+        evaluate={"config": str(tmp_path / "suite.yaml")},
+        aggregate=[{"kind": "eval_table", "name": "passk", "metrics": ["pass@1", "pass@4"]}],
+    )
+    out, calls = cli(tmp_path, "sweep", str(path))
+    assert calls == 4, out  # base eval array, training array, aftercorr eval array, aggregator
+    sweep_dir = tmp_path / "out" / "ev"
+    meta = wait_sweep(sweep_dir, timeout=900)
+    base, train, evals = meta["submissions"]
+    assert base["keys"][0].startswith("base-") and "dependency" not in base
+    assert evals["dependency"] == f"aftercorr:{train['job_id']}" and evals["aggregate_job"]
+    by_run = {e["source"]: e["key"] for e in meta["evals"] if e["source"]}
+    assert evals["keys"] == [by_run[k] for k in train["keys"]]  # eval i evaluates run i
+
+    def span(job: str) -> tuple[str, str]:
+        out = subprocess.run(
+            ["sacct", "-X", "-n", "-P", "--format=State,Start,End", "-j", job], capture_output=True, text=True
+        ).stdout.split("|")
+        return out[0], out[1], out[2].strip()
+
+    for i in range(len(train["keys"])):
+        t_state, _, t_end = span(f"{train['job_id']}_{i}")
+        e_state, e_start, _ = span(f"{evals['job_id']}_{i}")
+        assert t_state == e_state == "COMPLETED" and e_start >= t_end  # ISO times compare as strings
+    assert sacct_state(evals["aggregate_job"]) == "COMPLETED"
+    table = (sweep_dir / "results" / "passk.md").read_text()
+    assert "| Base |" in table and "| population_size=4 |" in table and "| population_size=8 |" in table, table
+    out, calls = cli(tmp_path, "status", str(sweep_dir))
+    assert "2 runs: 2 finished" in out and "3 evals: 3 finished" in out, out
