@@ -87,7 +87,7 @@ def test_a_sweep_trains_then_evaluates_every_final_and_base_model(tmp_path, tiny
     (sd / "evals" / ev / "metrics.json").unlink()
     samples.write_bytes(b"".join(lines[:2]) + lines[2][:10])
     status = run_esbatch("status", str(sd)).stdout
-    assert "3 evals: 1 interrupted, 2 finished" in status, status
+    assert "3 evals: 2 finished, 1 interrupted" in status, status
     p = run_esbatch("sweep", str(path), timeout=1800)
     assert "submitting 0 run(s)" in p.stdout and "and 1 eval(s), 0 of them after" in p.stdout, p.stdout
     assert samples.read_bytes().startswith(b"".join(lines[:2])) and len(samples.read_bytes().splitlines()) == 5
