@@ -391,6 +391,8 @@ class TrainConfig(Schema):
         why = BACKENDS.problem(self.backend.name)
         if why:
             errors.append(f"backend.name: {why}")
+        elif self.eval.tasks and (why := BACKENDS.unsupported(self.backend.name, "eval")):
+            errors.append(f"eval.tasks: backend.name {self.backend.name} cannot serve in-training evaluations: {why}")
 
 
 def model_errors(model: ModelConfig, errors: list[str]) -> None:

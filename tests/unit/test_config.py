@@ -61,6 +61,7 @@ def test_defaults_and_builtin_quickstart_are_valid():
         ({"eval": {"ks": [0, 16]}, **BASE}, "eval.ks", "positive integers"),
         ({"eval": {"samples": 0}, **BASE}, "eval.samples", "must be >= 1"),
         ({"checkpoint": {"snapshots": [0, 5]}, **BASE}, "checkpoint.snapshots", "integers >= 1"),
+        ({"eval": {"tasks": ["gsm8k"]}, "backend": {"name": "vllm"}, **BASE}, "eval.tasks", "token entropy"),
     ],
 )
 def test_bad_values_are_rejected_with_the_key_and_reason(data, path, words):
