@@ -225,7 +225,12 @@ class EvalTask(Schema):
     label: str | None = setting(None, "Column/row name in the tables (default: the task name).")
     params: dict = setting({}, "Task constructor parameters (as in training configs).")
     data_path: str | None = setting(None, "Local data file instead of the hub dataset.")
-    limit: int | None = setting(None, "Evaluate the first `limit` problems only (None = the whole split).", ge=1)
+    limit: int | None = setting(
+        None,
+        "Evaluate the first `limit` problems only (None = the whole split; a generated task without a dataset "
+        "draws 500).",
+        ge=1,
+    )
     max_new_tokens: int | None = setting(
         None,
         "Per-task token limit (eval configs: default sampling.max_new_tokens; in-training evals: "
