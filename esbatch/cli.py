@@ -1,4 +1,5 @@
-"""The `esbatch` command line: train, sweep, status, cancel, aggregate, eval, eval-plot, flops, validate, ls, plot."""
+"""The `esbatch` command line: train, sweep, status, cancel, aggregate, eval, center, eval-plot, flops, validate, ls,
+plot."""
 
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def _print_summary(s: dict[str, Any]) -> None:
         print(f"\ndone: {s['updates']} GRPO steps on {s['world_size']} rank(s) in {s['wall_s']:.0f} s")
     else:
         print(f"\ndone: {s['updates']} updates in {s['wall_s']:.0f} s, peak RSS {s['peak_rss_mb']:.0f} MB")
-    if first and last:
+    if first and last and "heldout/accuracy" in first and "heldout/accuracy" in last:
         print(
             f"held-out greedy accuracy: {first['heldout/accuracy']:.3f} (update {first['t']}) -> "
             f"{last['heldout/accuracy']:.3f} (update {last['t']})"
@@ -313,6 +314,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         for flag, key in ((args.model, "model.name"), (args.checkpoint, "checkpoint"), (args.mlflow_run, "mlflow_run")):
             if flag:
                 overrides.append(f"{key}={flag}")
+        if args.at is not None:
+            overrides.append(f"checkpoint_update={args.at}")
         cfg = load_eval_config(args.config, overrides)
     stop.install()
     try:
@@ -326,6 +329,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"generation: {s['tokens']} tokens in {s['generation_s']:.0f} s = {s['tokens_per_s']:.1f} tokens/s")
     print(f"eval folder: {out}  (samples, table.csv, passk.csv, passk.png)")
     print(f"MLflow run {s['mlflow_run_id']}  ({s['source']})")
+    return 0
+
+
+def cmd_center(args: argparse.Namespace) -> int:
+    from esbatch.eval.center import center_at
+
+    if args.at < 0:
+        return _err(f"--at {args.at}: give an update count >= 0 (0 = the run's theta_0)")
+    out = center_at(args.run_dir, args.at, args.out)
+    print(f"center after update {args.at} of {args.run_dir}: {out}")
+    if args.out is None:
+        print(f"evaluate it: esbatch eval --checkpoint {args.run_dir} --at {args.at}")
     return 0
 
 
@@ -460,10 +475,22 @@ def _eval_commands(sub: Any) -> None:
     ev.add_argument("--model", help="model alias, HF dir, hub id or .gguf (sets model.name)")
     ev.add_argument("--checkpoint", metavar="RUN_DIR", help="evaluate the final center of a run folder")
     ev.add_argument("--mlflow-run", metavar="RUN_ID", help="evaluate a training run's final center (nested run)")
+    ev.add_argument(
+        "--at", type=int, metavar="T", help="with --checkpoint: the center after update T (sets checkpoint_update)"
+    )
     ev.add_argument("--recompute", metavar="EVAL_DIR", help="re-score saved responses and rebuild the tables")
     ev.add_argument("--no-progress", action="store_true", help="no progress bars (for batch logs)")
     _add_set(ev)
     ev.set_defaults(func=cmd_eval)
+
+    ce = sub.add_parser(
+        "center",
+        help="the center after update T of a run: ES rebuilds it from theta_0 and the seed log, GRPO copies a snapshot",
+    )
+    ce.add_argument("run_dir", metavar="RUN_DIR")
+    ce.add_argument("--at", type=int, required=True, metavar="T", help="updates the center includes (0 = theta_0)")
+    ce.add_argument("--out", metavar="FILE", help="where to write it (default: RUN_DIR/snapshots/center-T.safetensors)")
+    ce.set_defaults(func=cmd_center)
 
     ep = sub.add_parser("eval-plot", help="Pass@K profiles or Pass@1-vs-Pass@K Pareto fronts of eval folders")
     ep.add_argument("eval_dirs", nargs="+", metavar="EVAL_DIR")

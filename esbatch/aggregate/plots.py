@@ -18,7 +18,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, title: str = "ES trai
     for d in run_dirs:
         rd = RunDir(d)
         label = rd.path.name
-        evals = sorted(rd.evals(), key=lambda e: e["t"])
+        evals = sorted((e for e in rd.evals() if "heldout/accuracy" in e), key=lambda e: e["t"])
         if evals:
             ax1.plot([e["t"] for e in evals], [e["heldout/accuracy"] for e in evals], marker="o", label=label)
         ups = rd.updates()

@@ -18,50 +18,18 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from esbatch.config.loader import find, read_yaml
-from esbatch.config.run import BackendConfig, ModelConfig, TrackingConfig, model_errors, parse_overrides
-from esbatch.config.schema import ConfigError, Invalid, Schema, build, deep_merge, expects, setting
+from esbatch.config.run import (  # EvalTask and _ks live with the run config: in-training evals use them too
+    BackendConfig,
+    EvalTask,
+    ModelConfig,
+    TrackingConfig,
+    ks_list,
+    model_errors,
+    parse_overrides,
+)
+from esbatch.config.schema import ConfigError, Schema, build, deep_merge, setting
 from esbatch.registry import did_you_mean
 from esbatch.train.rundir import RunDir
-
-
-@expects("a list of positive integers, e.g. [1, 16, 32]")
-def _ks(v: Any) -> list[int]:
-    if not isinstance(v, list) or not v:
-        raise Invalid(f"got {v!r}")
-    bad = [k for k in v if not isinstance(k, int) or isinstance(k, bool) or k < 1]
-    if bad:
-        raise Invalid(f"expected positive integers, got {bad}")
-    return v
-
-
-@dataclass
-class EvalTask(Schema):
-    shorthand: ClassVar[str] = "name"  # `- gsm8k` in the task list means {name: gsm8k}
-    validate_always: ClassVar[bool] = True
-
-    name: str = setting("gsm8k", "Registered task (see `esbatch ls`).")
-    label: str | None = setting(None, "Column/row name in the tables (default: the task name).")
-    params: dict = setting({}, "Task constructor parameters (as in training configs).")
-    data_path: str | None = setting(None, "Local data file instead of the hub dataset.")
-    limit: int | None = setting(
-        None,
-        "Evaluate the first `limit` problems only (None = the whole split; a generated task without a dataset "
-        "draws 500).",
-        ge=1,
-    )
-    max_new_tokens: int | None = setting(None, "Per-task override of sampling.max_new_tokens.", ge=1)
-    few_shot: int = setting(0, "Solved demonstrations before each question (the paper evaluates zero-shot).", ge=0)
-
-    def validate(self, path: str, errors: list[str]) -> None:
-        from esbatch.tasks import TASKS
-
-        if self.name not in TASKS:
-            errors.append(
-                f"{path}.name: unknown task '{self.name}'.{did_you_mean(self.name, TASKS.names())} "
-                f"Available: {', '.join(TASKS.names())}"
-            )
-        else:
-            TASKS.get(self.name).check_params(self.params, f"{path}.params", errors)
 
 
 @dataclass
@@ -82,9 +50,15 @@ class EvalConfig(Schema):
     output_dir: str = setting("esbatch-evals", "Where eval folders go.")
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The model to evaluate."})
     checkpoint: str | None = setting(None, "A run folder: its config names the base model, its center the weights.")
+    checkpoint_update: int | None = setting(
+        None,
+        "With checkpoint: evaluate the center after this update instead of the final one: the run's center or "
+        "snapshots/center-<T>.safetensors (GRPO: checkpoint.snapshots); ES rebuilds a missing one from its log.",
+        ge=0,
+    )
     mlflow_run: str | None = setting(None, "A training MLflow run id: evaluate its final center, log nested under it.")
     sampling: Sampling = field(default_factory=Sampling, metadata={"help": "Sampled evaluation protocol."})
-    ks: list = setting([1, 16, 32], "K values for Pass@K and Maj@K (those <= n are reported).", check=_ks)
+    ks: list = setting([1, 16, 32], "K values for Pass@K and Maj@K (those <= n are reported).", check=ks_list)
     tasks: list[EvalTask] = setting([{"name": "gsm8k"}], "Tasks to evaluate, each a mapping (or just a task name).")
     threads: int = setting(0, "torch CPU threads (0 = torch's default).", ge=0)
     score_workers: int = setting(0, "Threads scoring responses (math-verify, code sandbox); 0 = CPU count.", ge=0)
@@ -109,6 +83,8 @@ class EvalConfig(Schema):
             errors.append("tasks: give at least one task, e.g. tasks: [{name: gsm8k}]")
         if self.checkpoint and self.mlflow_run:
             errors.append("checkpoint / mlflow_run: give one source of trained weights, not both")
+        if self.checkpoint_update is not None and not self.checkpoint:
+            errors.append("checkpoint_update: needs checkpoint: RUN_FOLDER (the run whose center after it to evaluate)")
         if self.checkpoint and not RunDir(self.checkpoint).exists():
             errors.append(f"checkpoint: {self.checkpoint} is not a run folder (no {RunDir.CONFIG} there)")
         if not self.checkpoint and not self.mlflow_run:  # else the run's own config names the model

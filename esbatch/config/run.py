@@ -11,12 +11,24 @@ import copy
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
 from esbatch.config.loader import find, read_yaml
-from esbatch.config.schema import ConfigError, Schema, build, deep_merge, flatten, folder_name, setting, stage_spans
+from esbatch.config.schema import (
+    ConfigError,
+    Invalid,
+    Schema,
+    build,
+    deep_merge,
+    expects,
+    flatten,
+    folder_name,
+    setting,
+    stage_spans,
+)
+from esbatch.registry import did_you_mean
 
 # What a resumed run may change: budgets and bookkeeping, never what the logged updates depend on.
 RESUME_OVERRIDABLE = {
@@ -28,7 +40,13 @@ RESUME_OVERRIDABLE = {
     "run.threads",
     "backend.engines",  # how many vLLM engines share the population does not change the result
     "eval.every",
+    "eval.tasks",  # in-training evaluations and snapshots read the weights, never change them
+    "eval.samples",
+    "eval.temperature",
+    "eval.top_p",
+    "eval.ks",
     "checkpoint.every",
+    "checkpoint.snapshots",
     "tracking.log_model",
 }
 # Keys earlier esbatch versions wrote into run folders and plans; accepted and ignored so those stay resumable.
@@ -188,12 +206,79 @@ class PipelineConfig:
     updates: int | None = setting(None, "Total update budget shared by the stages.", ge=1)
 
 
+@expects("a list of positive integers, e.g. [1, 16, 32]")
+def ks_list(v: Any) -> list[int]:
+    if not isinstance(v, list) or not v:
+        raise Invalid(f"got {v!r}")
+    bad = [k for k in v if not isinstance(k, int) or isinstance(k, bool) or k < 1]
+    if bad:
+        raise Invalid(f"expected positive integers, got {bad}")
+    return v
+
+
+@dataclass
+class EvalTask(Schema):
+    shorthand: ClassVar[str] = "name"  # `- gsm8k` in the task list means {name: gsm8k}
+    validate_always: ClassVar[bool] = True
+
+    name: str = setting("gsm8k", "Registered task (see `esbatch ls`).")
+    label: str | None = setting(None, "Column/row name in the tables (default: the task name).")
+    params: dict = setting({}, "Task constructor parameters (as in training configs).")
+    data_path: str | None = setting(None, "Local data file instead of the hub dataset.")
+    limit: int | None = setting(
+        None,
+        "Evaluate the first `limit` problems only (None = the whole split; a generated task without a dataset "
+        "draws 500).",
+        ge=1,
+    )
+    max_new_tokens: int | None = setting(
+        None,
+        "Per-task token limit (eval configs: default sampling.max_new_tokens; in-training evals: "
+        "eval.max_new_tokens, else generation.max_new_tokens).",
+        ge=1,
+    )
+    few_shot: int = setting(0, "Solved demonstrations before each question (the paper evaluates zero-shot).", ge=0)
+
+    def validate(self, path: str, errors: list[str]) -> None:
+        from esbatch.tasks import TASKS
+
+        if self.name not in TASKS:
+            errors.append(
+                f"{path}.name: unknown task '{self.name}'.{did_you_mean(self.name, TASKS.names())} "
+                f"Available: {', '.join(TASKS.names())}"
+            )
+        else:
+            TASKS.get(self.name).check_params(self.params, f"{path}.params", errors)
+
+
 @dataclass
 class InTrainingEvalConfig:
-    every: int = setting(0, "Score the center greedily on the held-out set every k updates (0 = start/end only).", ge=0)
-    max_new_tokens: int | None = setting(
-        None, "Token limit for held-out scoring (None = generation.max_new_tokens).", ge=1
+    every: int = setting(
+        0,
+        "Evaluate the center every k updates (0 = start/end only): greedy on the held-out set, and sampled on "
+        "`tasks` when given.",
+        ge=0,
     )
+    max_new_tokens: int | None = setting(
+        None, "Token limit for held-out scoring and `tasks` (None = generation.max_new_tokens).", ge=1
+    )
+    tasks: list[EvalTask] = setting(
+        [],
+        "Other tasks scored at every evaluation (paper Figure 2(a-b)): `samples` responses per problem, logged as "
+        "eval/<label>/pass_at_<k>, maj_at_<k>, entropy, format. Entries as in an eval config's `tasks` (a mapping "
+        "or just a task name). Empty: the held-out evaluation only.",
+    )
+    samples: int = setting(32, "`tasks`: responses per problem (paper G.4: 32).", ge=1)
+    temperature: float = setting(0.6, "`tasks`: sampling temperature (paper G.4: 0.6).", gt=0.0)
+    top_p: float = setting(1.0, "`tasks`: nucleus sampling mass.", gt=0.0, le=1.0)
+    ks: list = setting(
+        [1, 16, 32], "`tasks`: K values of Pass@K and Maj@K (those <= samples are logged).", check=ks_list
+    )
+
+    def validate(self, path: str, errors: list[str]) -> None:
+        labels = [t.label or t.name for t in self.tasks]
+        for lab in sorted({x for x in labels if labels.count(x) > 1}):
+            errors.append(f"{path}.tasks: '{lab}' appears twice; give one of them a distinct `label`")
 
 
 @dataclass
@@ -205,9 +290,26 @@ class TrackingConfig:
     parent_run_id: str | None = setting(None, "Nest this run's MLflow run under this one (pipelines set it).")
 
 
+@expects("a list of update counts (integers >= 1), e.g. [50, 100]")
+def update_list(v: Any) -> list[int]:
+    if not isinstance(v, list):
+        raise Invalid(f"got {v!r}")
+    bad = [k for k in v if not isinstance(k, int) or isinstance(k, bool) or k < 1]
+    if bad:
+        raise Invalid(f"expected integers >= 1, got {bad}")
+    return sorted(set(v))
+
+
 @dataclass
 class CheckpointConfig:
     every: int = setting(10, "Save the fp32 center every k updates; updates since are replayed from the log.", ge=1)
+    snapshots: list = setting(
+        [],
+        "Also keep the center after these updates as snapshots/center-<T>.safetensors (evaluable with `esbatch "
+        "eval --checkpoint RUN --at T`). GRPO needs them for intermediate centers; ES can also rebuild any center "
+        "from its log (`esbatch center RUN --at T`).",
+        check=update_list,
+    )
 
 
 @dataclass
@@ -294,6 +396,8 @@ class TrainConfig(Schema):
         why = BACKENDS.problem(self.backend.name)
         if why:
             errors.append(f"backend.name: {why}")
+        elif self.eval.tasks and (why := BACKENDS.unsupported(self.backend.name, "eval")):
+            errors.append(f"eval.tasks: backend.name {self.backend.name} cannot serve in-training evaluations: {why}")
 
 
 def model_errors(model: ModelConfig, errors: list[str]) -> None:

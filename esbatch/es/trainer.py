@@ -142,6 +142,12 @@ class ESTrainer(Trainer):
     def evaluate(self) -> dict[str, float]:
         return evaluate_heldout(self.cfg, self.backend, self.probs)
 
+    def generator(self) -> ESBackend:
+        return self.backend  # between updates the backend holds the center, unperturbed
+
+    def center_state(self) -> dict[str, Any]:
+        return self.backend.center_state_dict()
+
     def checksum(self) -> float | None:
         return self.backend.checksum()
 

@@ -13,16 +13,15 @@ import hashlib
 import json
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from esbatch.config.eval import EvalConfig, EvalTask
-from esbatch.metrics import mean_metrics, pass_at_k, problem_metrics
-from esbatch.tasks.verify import guarded_answer_key, guarded_score, guarded_score_many
+from esbatch.metrics import pass_at_k
 from esbatch.train import stop
-from esbatch.train.rundir import RunDir, read_jsonl
+from esbatch.train.rundir import RunDir, RunFolderError, read_jsonl
+from esbatch.train.taskeval import few_shot_demos, score_responses, task_metrics  # shared with in-training evals
 
 
 @dataclass
@@ -46,12 +45,28 @@ def resolve_weights(cfg: EvalConfig) -> WeightsSource:
         rd = RunDir(cfg.checkpoint)
         train_cfg = load_config(str(rd.config))
         meta = rd.read_meta()
+        if cfg.checkpoint_update is not None:
+            center, what = _center_after(rd, train_cfg, cfg.checkpoint_update)
+            what = f"{_label(meta.get('algorithm', train_cfg.algorithm))} {what}"
+            return WeightsSource(train_cfg.model, center, meta.get("tracking_uri"), meta.get("mlflow_run_id"), what)
         if not rd.center.exists():
             raise FileNotFoundError(f"{rd.path}: no {RunDir.CENTER} yet (the run has not saved a checkpoint)")
         rd.center_t()  # a damaged center is named now (RunFolderError), not deep inside the weight loader
         what = f"{_label(meta.get('algorithm', train_cfg.algorithm))} center of {rd.path}"
         return WeightsSource(train_cfg.model, rd.center, meta.get("tracking_uri"), meta.get("mlflow_run_id"), what)
     return WeightsSource(cfg.model, description=f"base model {cfg.model.name}")
+
+
+def _center_after(rd: RunDir, train_cfg: Any, t: int) -> tuple[Path, str]:
+    """The file holding run ``rd``'s center after ``t`` updates (ES: rebuilt from the log when not kept)."""
+    from esbatch.eval.center import center_at, stored_center
+
+    try:
+        return stored_center(rd, t, train_cfg.algorithm), f"center after update {t} of {rd.path}"
+    except RunFolderError:
+        if train_cfg.algorithm != "es":
+            raise
+    return center_at(rd.path, t), f"center after update {t} of {rd.path} (rebuilt from its log)"
 
 
 def _label(algorithm: str) -> str:
@@ -89,23 +104,6 @@ def build_generator(cfg: EvalConfig, src: WeightsSource) -> Any:
     from esbatch.backends import BACKENDS
 
     return BACKENDS.get(cfg.backend.name).for_inference(src.model, src.center, cfg.sampling.batch_size)
-
-
-# ----------------------------------------------------------------------------- scoring
-
-
-def score_responses(task: Any, texts: list[str], exs: list[Any], workers: int) -> tuple[list[str], list[str | None]]:
-    """Verdicts and answer keys, scored in parallel threads (math-verify and the code sandbox block). A task
-    that raises costs only that response (WRONG, key None) and a warning line, not the eval."""
-    if hasattr(task, "score_many"):
-        verdicts = [str(v) for v in guarded_score_many(task, texts, exs)]
-    else:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            verdicts = [str(v) for v in pool.map(lambda a: guarded_score(task, *a), zip(texts, exs))]
-
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        keys = list(pool.map(lambda a: guarded_answer_key(task, *a), zip(texts, exs)))
-    return verdicts, keys
 
 
 # ----------------------------------------------------------------------------- the eval folder
@@ -148,18 +146,6 @@ class EvalDir:
 
 def _chunk_seed(seed: int, label: str, start: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}/{label}/{start}".encode(), digest_size=4).digest(), "little")
-
-
-def few_shot_demos(task: Any, k: int, exs: list[Any], seed: int) -> list[Any]:
-    """k solved demonstrations from the task's demo pool, never one of the evaluated questions."""
-    if not k:
-        return []
-    asked = {e.question for e in exs}
-    pool = task.splits(0, 0, k + len(asked), 10_007 + seed)["demo"]
-    demos = [d for d in pool if d.question not in asked][:k]
-    if len(demos) < k:
-        raise ValueError(f"{type(task).__name__}: only {len(demos)} demonstrations outside the evaluated problems")
-    return demos
 
 
 def run_task(cfg: EvalConfig, et: EvalTask, gen: Any, ed: EvalDir, progress: bool = True) -> dict[str, Any]:
@@ -249,22 +235,6 @@ def rescore(cfg: EvalConfig, et: EvalTask, ed: EvalDir) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------- metrics and tables
-
-
-def task_metrics(rows: list[dict[str, Any]], ks: list[int]) -> dict[str, float]:
-    per = []
-    for r in rows:
-        correct = [smp["verdict"] == "correct" for smp in r["samples"]]
-        m = problem_metrics(correct, [smp["key"] for smp in r["samples"]], ks, [smp["entropy"] for smp in r["samples"]])
-        if "greedy" in r:
-            m["greedy"] = float(r["greedy"]["verdict"] == "correct")
-        m["format"] = sum(smp["verdict"] != "missing" for smp in r["samples"]) / len(r["samples"])
-        if "f1" in r["samples"][0]:  # token F1 (HotpotQA), mean over responses
-            m["f1"] = sum(smp["f1"] for smp in r["samples"]) / len(r["samples"])
-        per.append(m)
-    out = mean_metrics(per)
-    out["problems"] = len(rows)
-    return out
 
 
 def passk_curve(rows: list[dict[str, Any]]) -> list[float]:

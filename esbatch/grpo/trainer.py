@@ -257,6 +257,13 @@ class GRPOTrainer(Trainer):
     def policy_state(self) -> dict[str, Any]:
         return {n: p.detach().float().cpu().contiguous() for n, p in self.engine.module.named_parameters()}
 
+    def center_state(self) -> dict[str, Any]:  # checkpoint.snapshots: the policy as an evaluable center
+        return self.policy_state()
+
+    def generator(self) -> Any:  # eval.tasks: sampling from the policy as it stands
+        self.engine.module.eval()
+        return self.gen
+
     def evaluate(self) -> dict[str, float]:
         self.engine.module.eval()
         return evaluate_heldout(self.cfg, self.gen, self.probs)

@@ -5,8 +5,8 @@ reopens the MLflow run, keeps run.json (status, algorithm, budget, progress) and
 records how it ended. ``run_updates`` drives a ``Trainer`` update by update:
 
     restore (checkpoint + replay) -> for t in start..T: stop check, step, compare rank checksums,
-    append to log.jsonl (durable first), log metrics, checkpoint every k, evaluate every k -> final
-    checkpoint and evaluation -> summary
+    append to log.jsonl (durable first), log metrics, checkpoint every k (and snapshots), evaluate every
+    k (held-out, and eval.tasks: esbatch/train/taskeval.py) -> final checkpoint and evaluation -> summary
 
 so ES and GRPO share the same resume, logging and stop behaviour. Rank 0 writes; every rank computes.
 """
@@ -58,6 +58,15 @@ class Trainer(ABC):
     @abstractmethod
     def evaluate(self) -> dict[str, float]:
         """Held-out scores of the current weights (rank 0 only)."""
+
+    def generator(self) -> Any:
+        """A Generator over the current weights, ready to generate (``eval.tasks``, rank 0 only); None: the
+        algorithm cannot serve in-training evaluations on other tasks."""
+        return None
+
+    def center_state(self) -> dict[str, Any]:
+        """A detached fp32 copy of the current weights under HF names (``checkpoint.snapshots``, rank 0 only)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot keep snapshots")
 
     @property
     @abstractmethod
@@ -232,7 +241,8 @@ class RunSession:
     def record_eval(self, t: int, scores: dict[str, float]) -> None:
         self.rd.append_eval({"t": t, **scores})
         self.log(scores, t)
-        self.rd.write_meta(last_heldout=scores.get("heldout/accuracy"))
+        if "heldout/accuracy" in scores:
+            self.rd.write_meta(last_heldout=scores["heldout/accuracy"])
 
     def log_missing_steps(self, records: list[dict[str, Any]]) -> None:
         """Metrics of logged updates that never reached MLflow (the run died in between): each step once."""
@@ -300,18 +310,32 @@ def _restore(run: RunSession, trainer: Trainer) -> tuple[int, list[dict[str, Any
 def _train_loop(run: RunSession, trainer: Trainer, start: int, total: int, progress: bool) -> None:
     from tqdm.auto import tqdm
 
+    from esbatch.train.taskeval import TaskEvals
+
     cfg, rd, phase = run.cfg, run.rd, run.watchdog.phase
     done_evals = {e["t"] for e in rd.evals()} if run.lead else set()
+    task_evals = TaskEvals(cfg)
+    if task_evals and type(trainer).generator is Trainer.generator:
+        raise NotImplementedError(f"eval.tasks: the {cfg.algorithm} trainer cannot generate for in-training evals")
 
     def evaluate(t: int, force: bool = False) -> None:
         due = force or (cfg.eval.every and t % cfg.eval.every == 0)
         if run.lead and due and t not in done_evals:
             with phase(f"the held-out evaluation after update {t}"):
                 scores = trainer.evaluate()
+            if task_evals:
+                with phase(f"the evaluation on eval.tasks after update {t}"):
+                    scores = {**scores, **task_evals(trainer.generator(), t)}
             if scores:
                 run.record_eval(t, scores)
-                bar.set_postfix({**post, "heldout": f"{scores['heldout/accuracy']:.3f}"})
+                if "heldout/accuracy" in scores:
+                    bar.set_postfix({**post, "heldout": f"{scores['heldout/accuracy']:.3f}"})
             done_evals.add(t)
+
+    def snapshot(t: int) -> None:
+        if run.lead and t in cfg.checkpoint.snapshots:
+            with phase(f"the snapshot after update {t}"):
+                rd.save_center(trainer.center_state(), t, rd.snapshot(t))
 
     post: dict[str, str] = {}
     bar = tqdm(total=total, initial=start, desc=trainer.label, unit="upd", disable=not (progress and run.lead))
@@ -332,6 +356,7 @@ def _train_loop(run: RunSession, trainer: Trainer, start: int, total: int, progr
                 with phase(f"the checkpoint after update {t + 1}"):
                     trainer.save(t + 1, final=t + 1 == total)
                 trainer.saved_at = t + 1
+            snapshot(t + 1)
             post = trainer.postfix(rec["metrics"])
             bar.set_postfix(post)
             bar.update(1)
@@ -340,6 +365,7 @@ def _train_loop(run: RunSession, trainer: Trainer, start: int, total: int, progr
             with phase(f"the checkpoint after update {total}"):
                 trainer.save(total, final=True)
             trainer.saved_at = total
+            snapshot(total)
         evaluate(total, force=True)  # no-op unless the final evaluation was lost the same way
     finally:
         bar.close()

@@ -4,6 +4,8 @@
     log.jsonl             one line per finished update (ES: seeds, rewards, weights; every algorithm: metrics)
     eval.jsonl            held-out scores of the weights after update t
     center.safetensors    fp32 weights after update t (t in its metadata), written atomically
+    snapshots/            center-<T>.safetensors: the center after update T, same format (checkpoint.snapshots,
+                          or rebuilt from the log by `esbatch center RUN --at T`)
     run.json              status, algorithm, budget, progress, MLflow run id and tracking URI
     ds_checkpoint/        GRPO: DeepSpeed's optimizer + weights checkpoints
     stage<k>-<algo>/      pipelines: one run folder per stage
@@ -88,6 +90,7 @@ class RunDir:
     STORE = "mlflow.db"
     FINAL_MODEL = "final_model"
     DISCARDED = "log.discarded.jsonl"
+    SNAPSHOTS = "snapshots"
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -100,6 +103,7 @@ class RunDir:
         self.task_log = self.path / self.TASK_LOG
         self.offline_store = self.path / self.STORE
         self.final_model = self.path / self.FINAL_MODEL
+        self.snapshots = self.path / self.SNAPSHOTS
 
     def exists(self) -> bool:
         return self.config.exists()
@@ -238,15 +242,28 @@ class RunDir:
         return read_jsonl(self.eval_log)[0]
 
     # ---------------------------------------------------------------- center checkpoint
-    def save_center(self, state: dict[str, torch.Tensor], t: int) -> None:
-        """Atomically write the fp32 center after ``t`` updates."""
+    def save_center(self, state: dict[str, torch.Tensor], t: int, path: Path | None = None) -> None:
+        """Atomically write the fp32 center after ``t`` updates (to ``path``, default center.safetensors)."""
         from safetensors.torch import save_file
 
-        tmp = self.center.with_suffix(f".tmp{os.getpid()}")
+        path = path or self.center
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"t": str(t)})
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, self.center)
+        os.replace(tmp, path)
+
+    def snapshot(self, t: int) -> Path:
+        """Where the center after update ``t`` is kept (snapshots/center-<t>.safetensors)."""
+        return self.snapshots / f"center-{t}.safetensors"
+
+    def snapshot_updates(self) -> list[int]:
+        """The updates with a snapshot on disk, ascending."""
+        if not self.snapshots.is_dir():
+            return []
+        ts = [p.name[len("center-") : -len(".safetensors")] for p in self.snapshots.glob("center-*.safetensors")]
+        return sorted(int(t) for t in ts if t.isdigit())
 
     def link_center(self, source: Path) -> None:
         """Make ``source`` (a stage's center) this folder's center too: a hard link, or a copy across filesystems."""

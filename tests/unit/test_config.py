@@ -55,6 +55,13 @@ def test_defaults_and_builtin_quickstart_are_valid():
         ({"es": {"updates": 3, "epochs": 1}}, "es.updates / es.epochs", "exactly one"),
         ({"es": {"estimator": "antithetic", "population_size": 7, "updates": 3}}, "es.population_size", "even"),
         ({"es": {"generation_seeds": "antithetic_pairs", "updates": 3}}, "es.generation_seeds", "antithetic"),
+        ({"eval": {"tasks": ["gsm8k", {"name": "gpqaa"}]}, **BASE}, "eval.tasks[1].name", "Did you mean 'gpqa'"),
+        ({"eval": {"tasks": [{"name": "gsm8k", "limt": 3}]}, **BASE}, "eval.tasks[0].limt", "Did you mean 'limit'"),
+        ({"eval": {"tasks": ["gsm8k", "gsm8k"]}, **BASE}, "eval.tasks", "'gsm8k' appears twice"),
+        ({"eval": {"ks": [0, 16]}, **BASE}, "eval.ks", "positive integers"),
+        ({"eval": {"samples": 0}, **BASE}, "eval.samples", "must be >= 1"),
+        ({"checkpoint": {"snapshots": [0, 5]}, **BASE}, "checkpoint.snapshots", "integers >= 1"),
+        ({"eval": {"tasks": ["gsm8k"]}, "backend": {"name": "vllm"}, **BASE}, "eval.tasks", "token entropy"),
     ],
 )
 def test_bad_values_are_rejected_with_the_key_and_reason(data, path, words):

@@ -1,0 +1,87 @@
+"""`esbatch center RUN --at T`: the center after update T of any run, as a file `esbatch eval` can take.
+
+ES: the center is theta_0 (the run's base model, plus model.init_weights) and the updates in log.jsonl
+(seeds and weights), so it is rebuilt by replaying the first T logged updates with the trainer's own code
+(esbatch/es/trainer.py:replay on the HF backend, on CPU): bit for bit the center the run held after T.
+GRPO's updates cannot be replayed (gradients of sampled responses): its centers come from the snapshots
+the run kept (``checkpoint.snapshots``) or its final center, which are copied.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+from typing import Any
+
+from esbatch.train.rundir import RunDir, RunFolderError
+
+
+def center_at(run: str | Path, t: int, out: str | Path | None = None) -> Path:
+    """Write the center of run folder ``run`` after ``t`` updates to ``out`` (default:
+    ``<run>/snapshots/center-<t>.safetensors``); returns the file."""
+    from esbatch.config import load_config
+
+    rd = RunDir(run)
+    if not rd.exists():
+        raise FileNotFoundError(f"{rd.path}: not a run folder (no {RunDir.CONFIG})")
+    if t < 0:
+        raise ValueError(f"--at {t}: give an update count >= 0")
+    cfg = load_config(str(rd.config))
+    target = Path(out) if out else rd.snapshot(t)
+    if cfg.algorithm == "es":
+        rd.save_center(rebuild_es_center(cfg, rd, t), t, target)
+        return target
+    if cfg.algorithm == "pipeline":
+        stages = ", ".join(sorted(p.name for p in rd.path.glob("stage*-*"))) or "none yet"
+        raise RunFolderError(
+            f"{rd.path} is a pipeline: rebuild a center of one of its stages (esbatch center {rd.path}/STAGE --at T; "
+            f"stages: {stages})"
+        )
+    source = stored_center(rd, t, cfg.algorithm)
+    if source.resolve() != target.resolve():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+    return target
+
+
+def stored_center(rd: RunDir, t: int, algorithm: str) -> Path:
+    """The run's own file holding the center after ``t`` updates: its center or a snapshot; else an error
+    saying which updates it kept."""
+    if rd.center.exists() and rd.center_t() == t:
+        return rd.center
+    if rd.snapshot(t).exists():
+        return rd.snapshot(t)
+    kept = rd.snapshot_updates()
+    final = rd.center_t() if rd.center.exists() else None
+    what = {"grpo": "GRPO centers come from snapshots: its updates cannot be replayed from the log"}.get(
+        algorithm, f"{algorithm} centers come from snapshots"
+    )
+    raise RunFolderError(
+        f"--at {t}: {rd.path} holds no center after update {t} ({what}). It kept snapshots at "
+        f"{kept or 'no update'} ({rd.snapshots}) and its center.safetensors is at "
+        f"{'update ' + str(final) if final is not None else 'no update yet'}. Train with "
+        f"checkpoint.snapshots: [{t}] to keep it (settable on resume for updates still to come)."
+    )
+
+
+def rebuild_es_center(cfg: Any, rd: RunDir, t: int) -> dict[str, Any]:
+    """theta_0 of the run plus its first ``t`` logged updates, replayed with the trainer's own arithmetic."""
+    from esbatch.backends import BACKENDS
+    from esbatch.es.trainer import replay
+
+    records = rd.updates()
+    if t > len(records):
+        last = f"the last is update {len(records) - 1}" if records else "no update yet"
+        raise RunFolderError(
+            f"--at {t}: {rd.log} records {len(records)} update(s) ({last}), so the newest center it can rebuild "
+            f"is --at {len(records)}"
+        )
+    c = copy.deepcopy(cfg)
+    c.model.device, c.tracking.drift = "cpu", False  # the update arithmetic is the same on CPU, bit for bit
+    backend = BACKENDS.get("hf").for_es(c)
+    try:
+        replay(backend, records[:t])
+        return backend.center_state_dict()
+    finally:
+        backend.close()
