@@ -26,6 +26,7 @@ from esbatch.aggregate.tables import finish, md_table, write_csv
 from esbatch.launch.evals import eval_done
 from esbatch.launch.state import SweepDir
 from esbatch.metrics import pass_at_k, problem_metrics
+from esbatch.registry import did_you_mean
 from esbatch.train.rundir import read_jsonl
 
 BOOTSTRAP, SEED, LEVEL = 2000, 0, 0.95
@@ -67,6 +68,18 @@ class EvalSet:
 
     def heldout(self, tasks: list[str] | None = None) -> list[str]:
         return [t for t in (tasks or self.task_order) if t != self.train_task]
+
+    def param_errors(self, a: Any) -> list[str]:
+        """Names in ``a`` (rows, panels, select) that no eval's point has (its method, model and sweep axes)."""
+        known = sorted({k for e in self.entries for k in e.point})
+        names = {"rows": getattr(a, "rows", None), "panels": getattr(a, "panels", None)}
+        names.update({f"select.{k}": k for k in a.select})
+        return [
+            f"{a.path or a.name}.{field}: unknown parameter {key!r}.{did_you_mean(key, known)} The evals have: "
+            f"{', '.join(known)}"
+            for field, key in names.items()
+            if key and key not in known
+        ]
 
     def tasks_of(self, a: Any) -> tuple[list[str], list[str]]:
         """(tasks shown, held-out tasks averaged) for analysis ``a`` (its ``tasks`` list, else every task)."""

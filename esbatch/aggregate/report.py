@@ -653,7 +653,8 @@ def write_report(
     out_dir = Path(out_dir)
     if analyses is None:
         analyses = default_analyses(runs)
-    errors = [e for a in analyses for e in _param_errors(a, runs)]
+    errors = [e for a in analyses if not isinstance(a, EVAL_KINDS) for e in _param_errors(a, runs)]
+    errors += [e for a in analyses if isinstance(a, EVAL_KINDS) and evals is not None for e in evals.param_errors(a)]
     errors += [
         f"{a.path or a.name}: kind '{a.kind}' reads the sweep's evaluations; add an `evaluate:` section to the sweep"
         for a in analyses

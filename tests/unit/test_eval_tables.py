@@ -144,3 +144,15 @@ def test_figures_are_written_and_defaults_cover_the_paper_tables(evalset, tmp_pa
     for f in ("pareto.png", "passk_profiles.png"):
         assert (tmp_path / f).stat().st_size > 10_000
     assert Path(tmp_path / "passk_profiles.csv").read_text().count("\n") == 1 + 3 * 3 * N
+
+
+def test_rows_and_panels_are_checked_against_the_evals_not_the_runs(evalset):
+    """A sweep without `methods:` still has a `method` per eval (its run's label): the default rows work, and a
+    misspelt key is named with what the evals have."""
+    (ok, bad) = parse_specs(
+        [{"kind": "eval_table", "name": "a"}, {"kind": "eval_table", "name": "b", "rows": "methd", "panels": None}]
+    )
+    assert evalset.param_errors(ok) == []
+    (err,) = evalset.param_errors(bad)
+    assert err.startswith("aggregate[1].rows: unknown parameter 'methd'.") and "Did you mean 'method'?" in err
+    assert "model.name" in err
