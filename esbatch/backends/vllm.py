@@ -12,6 +12,7 @@ On GPU nodes engine e sees GPU e only (CUDA_VISIBLE_DEVICES, set while it starts
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import tempfile
@@ -27,7 +28,7 @@ import torch
 from esbatch.backends.base import ESBackend, Generation, PopulationOutput, SamplingParams, UpdateStats
 from esbatch.perturb.update import UpdateSpec
 
-EXTENSION = "esbatch.backends.vllm_worker.ESWorkerExtension"
+EXTENSION = "esbatch.backends.vllm_worker:ESWorkerExtension"
 
 
 def _import_vllm() -> Any:
@@ -58,6 +59,24 @@ def _env(**values: str | None):  # noqa: ANN202
                 os.environ[k] = v
 
 
+def _extension_qualname(name: str) -> str:
+    """vLLM's spelling of a worker extension ("package.module:Class" -> "package.module.Class"), checked here
+    so a wrong name fails before an engine starts."""
+    from esbatch.backends.vllm_worker import ESWorkerExtension
+
+    module, _, attr = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr, None) if module and attr else None
+    except ImportError as e:
+        raise ValueError(f"backend.worker_extension: '{name}': importing '{module}' failed: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, ESWorkerExtension)):
+        raise ValueError(
+            f"backend.worker_extension: '{name}' is not a package.module:Class subclassing "
+            "esbatch.backends.vllm_worker:ESWorkerExtension"
+        )
+    return f"{module}.{attr}"
+
+
 def hf_parameter_shapes(model_dir: str, revision: str | None = None) -> dict[str, list[int]]:
     """The HF parameter names and shapes (tied weights once), from the config alone (meta device, no weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -84,10 +103,14 @@ class VLLMBackend(ESBackend):
         seed: int = 0,
         track_drift: bool = True,
         rpc_timeout_s: float | None = None,
+        worker_extension: str = EXTENSION,
     ) -> None:
-        """``rpc_timeout_s``: an engine that does not answer a weight-move RPC in time raises (run.hang_timeout_s)."""
+        """``rpc_timeout_s``: an engine that does not answer a weight-move RPC in time raises (run.hang_timeout_s).
+        ``worker_extension``: the ``ESWorkerExtension`` subclass mixed into each engine's worker
+        ("package.module:Class")."""
         vllm = _import_vllm()
         self.rpc_timeout_s = rpc_timeout_s
+        extension = _extension_qualname(worker_extension)
         from transformers import AutoTokenizer
 
         self.model_dir, self.dtype = model_dir, dtype
@@ -115,7 +138,7 @@ class VLLMBackend(ESBackend):
                     revision=revision,
                     dtype=dtype,
                     seed=seed,
-                    worker_extension_cls=EXTENSION,
+                    worker_extension_cls=extension,
                     gpu_memory_utilization=gpu_memory_utilization,
                     enable_prefix_caching=prefix_caching,
                     max_model_len=max_model_len,
@@ -146,6 +169,7 @@ class VLLMBackend(ESBackend):
             seed=cfg.run.seed,
             track_drift=cfg.tracking.drift,
             rpc_timeout_s=cfg.run.hang_timeout_s,
+            worker_extension=b.worker_extension,
         )
         if m.init_weights:
             from safetensors.torch import load_file
