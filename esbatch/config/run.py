@@ -323,6 +323,11 @@ class BackendConfig:
     max_model_len: int | None = setting(None, "vllm: context length to reserve KV cache for (default: the model's).")
     prefix_caching: bool = setting(True, "vllm: reuse shared prompt prefixes; reset after every weight change.")
     cuda_graphs: bool = setting(True, "vllm on GPU: capture CUDA graphs (false = eager mode). Ignored on CPU.")
+    worker_extension: str = setting(
+        "esbatch.backends.vllm_worker:ESWorkerExtension",
+        "vllm: the class mixed into each engine's worker that moves its weights (package.module:Class, a "
+        "subclass of the default). Change it only to instrument engines, as the engine hang test does.",
+    )
 
 
 @dataclass

@@ -21,11 +21,38 @@ from contextlib import contextmanager
 
 EXIT_HUNG = 75  # EX_TEMPFAIL: try again (the sweep resubmits, a SLURM task requeues)
 _before_exit: list[Callable[[str], None]] = []
+_waits: dict[int, str] = {}  # thread id -> what that thread is blocked on, named in the hang message
+_waits_lock = threading.Lock()
 
 
 def before_exit(fn: Callable[[str], None]) -> None:
-    """Register ``fn(what)`` to run when a hang ends the process (a SLURM task requeues itself there)."""
+    """Register ``fn(what)`` to run when a hang ends the process (a SLURM task requeues itself there, the vLLM
+    backend kills its engine processes)."""
     _before_exit.append(fn)
+
+
+def forget(fn: Callable[[str], None]) -> None:
+    """Unregister a ``before_exit`` function (its resources are gone)."""
+    if fn in _before_exit:
+        _before_exit.remove(fn)
+
+
+@contextmanager
+def waiting_on(what: str) -> Iterator[None]:
+    """Name what this thread is about to block on (an RPC to a vLLM engine, a generate call), so a hang says
+    which engine and call stopped answering. Sets no deadline: the phase around it does."""
+    tid = threading.get_ident()
+    with _waits_lock:
+        outer = _waits.get(tid)
+        _waits[tid] = what
+    try:
+        yield
+    finally:
+        with _waits_lock:
+            if outer is None:
+                _waits.pop(tid, None)
+            else:
+                _waits[tid] = outer
 
 
 class Watchdog:
@@ -72,6 +99,10 @@ def _exit_hung(what: str, limit_s: float) -> None:
         file=sys.stderr,
         flush=True,
     )
+    with _waits_lock:
+        waits = list(_waits.values())
+    if waits:
+        print(f"esbatch: hung: waiting on {'; '.join(waits)}", file=sys.stderr, flush=True)
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     for fn in _before_exit:
         try:

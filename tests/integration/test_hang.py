@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from toy import run_esbatch, toy_config
+from toy import ROOT, run_esbatch, toy_config
 
 from esbatch.train.watchdog import EXIT_HUNG, Watchdog
 
@@ -88,3 +88,26 @@ def test_the_watchdog_names_the_phase_and_spares_phases_that_finish():
         with wd.phase("slow inner"):
             time.sleep(0.5)
     assert hung[0] == ("slow inner", 0.2)
+
+
+def test_the_hang_message_names_what_each_thread_waits_on_and_before_exit_hooks_run():
+    """What the vLLM backend relies on: the call a thread blocks in (an engine RPC) is named, and the hooks
+    registered with before_exit (the backend kills its engine processes there) run before exit code 75."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threading\n"
+        "from esbatch.train import watchdog\n"
+        "watchdog.before_exit(lambda what: print('hook ran for', what, flush=True))\n"
+        "gone = lambda what: print('forgotten hook ran', flush=True)\n"
+        "watchdog.before_exit(gone); watchdog.forget(gone)\n"
+        "wd = watchdog.Watchdog(0.5)\n"
+        "with wd.phase('update 7'), watchdog.waiting_on('vLLM engine 1: RPC es_perturb'):\n"
+        "    threading.Event().wait()\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == EXIT_HUNG, p.stderr
+    assert "esbatch: hung: update 7 did not finish within run.hang_timeout_s = 0.5 s" in p.stderr
+    assert "esbatch: hung: waiting on vLLM engine 1: RPC es_perturb\n" in p.stderr
+    assert p.stdout == "hook ran for update 7\n"
