@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
+from esbatch import deadlines as watchdog  # the hang hooks the training watchdog runs
 from esbatch.backends.base import ESBackend, Generation, PopulationOutput, SamplingParams, UpdateStats
 from esbatch.perturb.update import UpdateSpec
-from esbatch.train import watchdog
 
 EXTENSION = "esbatch.backends.vllm_worker:ESWorkerExtension"
 

@@ -19,40 +19,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from esbatch.deadlines import _before_exit, _waits, _waits_lock, before_exit, forget, waiting_on
+
 EXIT_HUNG = 75  # EX_TEMPFAIL: try again (the sweep resubmits, a SLURM task requeues)
-_before_exit: list[Callable[[str], None]] = []
-_waits: dict[int, str] = {}  # thread id -> what that thread is blocked on, named in the hang message
-_waits_lock = threading.Lock()
-
-
-def before_exit(fn: Callable[[str], None]) -> None:
-    """Register ``fn(what)`` to run when a hang ends the process (a SLURM task requeues itself there, the vLLM
-    backend kills its engine processes)."""
-    _before_exit.append(fn)
-
-
-def forget(fn: Callable[[str], None]) -> None:
-    """Unregister a ``before_exit`` function (its resources are gone)."""
-    if fn in _before_exit:
-        _before_exit.remove(fn)
-
-
-@contextmanager
-def waiting_on(what: str) -> Iterator[None]:
-    """Name what this thread is about to block on (an RPC to a vLLM engine, a generate call), so a hang says
-    which engine and call stopped answering. Sets no deadline: the phase around it does."""
-    tid = threading.get_ident()
-    with _waits_lock:
-        outer = _waits.get(tid)
-        _waits[tid] = what
-    try:
-        yield
-    finally:
-        with _waits_lock:
-            if outer is None:
-                _waits.pop(tid, None)
-            else:
-                _waits[tid] = outer
+__all__ = ["EXIT_HUNG", "Watchdog", "before_exit", "forget", "waiting_on"]
 
 
 class Watchdog:
