@@ -518,6 +518,7 @@ def _plot_curves(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     n = max(1, len(panel_vals))
     ncols = min(3, n)
@@ -535,21 +536,27 @@ def _plot_curves(
             label = _fmt_param(c.hue) if a.hue else a.metric
             if len(c.runs) > 1:
                 label += f" (n={len(c.runs)})"
-            ax.plot(c.steps, c.raw, color=color, alpha=0.25, lw=0.7, zorder=1)
-            ax.fill_between(c.steps, c.smoothed - c.band, c.smoothed + c.band, color=color, alpha=0.2, lw=0, zorder=2)
-            ax.plot(c.steps, c.smoothed, color=color, lw=1.8, label=label, zorder=3)
+            sparse = len(c.steps) <= 30  # e.g. evaluations every k updates: show where the points are
+            if a.smoothing > 0:  # raw values faint, a band only where a smoothed curve has residuals to show
+                ax.plot(c.steps, c.raw, color=color, alpha=0.25, lw=0.7, zorder=1)
+                ax.fill_between(
+                    c.steps, c.smoothed - c.band, c.smoothed + c.band, color=color, alpha=0.2, lw=0, zorder=2
+                )
+            marker = "o" if sparse else None
+            ax.plot(c.steps, c.smoothed, color=color, lw=1.8, label=label, zorder=3, marker=marker, ms=4)
             drawn = True
         if not drawn:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
         ax.set(xlabel="update", ylabel=a.metric)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # updates are whole numbers
         if a.panels:
             ax.set_title(f"{a.panels}={_fmt_param(pv)}")
         ax.grid(alpha=0.3)
         if drawn:
             ax.legend(title=a.hue, fontsize=8, title_fontsize=8)
     fig.suptitle(  # two short lines so a one-panel figure does not cut the title off
-        f"{title + ': ' if title else ''}{a.name}\n{a.metric}, debiased EMA {a.smoothing:g}, "
-        f"band ± local std (window {a.band_window})",
+        f"{title + ': ' if title else ''}{a.name}\n{a.metric}, "
+        + (f"debiased EMA {a.smoothing:g}, band ± local std (window {a.band_window})" if a.smoothing > 0 else "raw"),
         fontsize=10,
     )
     fig.tight_layout()
