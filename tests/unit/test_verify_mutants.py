@@ -30,7 +30,7 @@ from esbatch.tasks.verify import (
 )
 
 C, W, M = Verdict.CORRECT, Verdict.WRONG, Verdict.MISSING
-FAST = settings(max_examples=300, deadline=None, database=None)
+FAST = settings(max_examples=150, deadline=None, database=None)
 
 # ----------------------------------------------------------------------------- extract_boxed
 
@@ -244,6 +244,8 @@ class Scorer:
         self.calls.append(("score", response, ex))
         if response.startswith("!"):
             raise ValueError(response[1:])
+        if response.startswith("?"):
+            raise LookupError(response[1:])
         return C if response == ex else W
 
     def answer_key(self, response, ex):
@@ -277,6 +279,17 @@ def test_guarded_answer_key_returns_the_key_or_none_with_a_warning(capsys, fresh
     assert task.calls == [("answer_key", "abc", "ex")]
     assert guarded_answer_key(task, "!k", "ex") is None
     assert capsys.readouterr().err == "warning: Scorer.answer_key: raised KeyError, no answer key: \"'k'\"\n"
+
+
+def test_each_error_type_of_a_method_has_its_own_warnings(capsys, fresh_warnings):
+    task = Scorer()
+    assert [guarded_score(task, r, "7") for r in ["!a", "!b", "!c", "!d", "?e"]] == [W] * 5
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: Scorer.score: raised ValueError, counted as WRONG: 'a'",
+        "warning: Scorer.score: raised ValueError, counted as WRONG: 'b'",
+        "warning: Scorer.score: raised ValueError, counted as WRONG: 'c'",
+        "warning: Scorer.score: raised LookupError, counted as WRONG: 'e'",  # a new error type is not muted
+    ]
 
 
 def test_warning_quotes_at_most_160_characters_of_the_error(capsys, fresh_warnings):
