@@ -132,9 +132,10 @@ def test_the_callers_timeout_reaches_the_worker(fake_worker):
     assert check_boxed_math(r"\boxed{\sqrt{4}}", "3") is W
     assert math_equal(r"\sqrt{4}", "2", timeout_s=2) is True
     assert math_equal(r"\sqrt{4}", "3", timeout_s=2) is False
+    assert math_equal(r"\sqrt{4}", "5") is False
     assert math_answer_key(r"\boxed{\sqrt{5}}", timeout_s=4) == "key:8"
     assert math_answer_key(r"\boxed{\sqrt{6}}") == "key:8"
-    assert timeouts == [3.0, 5.0, 2.0, 2.0, 4.0, 5.0]
+    assert timeouts == [3.0, 5.0, 2.0, 2.0, 5.0, 4.0, 5.0]
     assert all(type(t) is float for t in timeouts)
 
 
