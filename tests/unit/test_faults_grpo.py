@@ -33,7 +33,7 @@ class EngineDouble:
     def __call__(self, **kw):
         return self.module(**kw)
 
-    def backward(self, loss):
+    def backward(self, loss, scale_wrt_gas=True):
         self.losses.append(float(loss.detach()))
         loss.backward()
 
@@ -104,7 +104,7 @@ def test_loss_mask_marks_exactly_the_response_tokens_at_their_predicting_positio
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
 def test_learning_step_descends_the_hand_computed_objective(tiny_model_dir, aggregation):
     tr, model, tok, gens = _trainer(tiny_model_dir, aggregation)
-    ent, kl, clip, loss, n_tok, flops = tr._learn([0, 1], gens, ADV, 1.0)
+    ent, kl, clip, loss, n_tok, flops = tr._learn(tr._prepare([0, 1], gens, ADV, 1.0))
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     assert tr.engine.steps == 1 and len(tr.engine.losses) == 1
 
@@ -139,7 +139,7 @@ def test_learning_step_descends_the_hand_computed_objective(tiny_model_dir, aggr
 
 def test_learning_step_flops_follow_appendix_g2(tiny_model_dir):
     tr, model, _, gens = _trainer(tiny_model_dir)
-    flops = tr._learn([0, 1], gens, ADV, 1.0)[5]
+    flops = tr._learn(tr._prepare([0, 1], gens, ADV, 1.0))[5]
     P = sum(p.numel() for p in model.parameters())
     G, B = 2, 2
     L_p = (2 + 2 + 3 + 3) / 4  # each response's prompt
@@ -147,4 +147,4 @@ def test_learning_step_flops_follow_appendix_g2(tiny_model_dir):
     # generation 2 P G B L + train forward/backward 6 P G B L + AdamW 12 P (no reference, no old log-probs)
     assert flops == pytest.approx(2 * P * G * B * (L_p + L_g) + 6 * P * G * B * (L_p + L_g) + 12 * P, rel=1e-12)
     assert flops == pytest.approx(P * (144 + 12), rel=1e-12)
-    assert tr._learn([0, 1], gens, ADV, 0.0)[5] == 0.0  # an idle rank's repeated prompt counts nothing
+    assert tr._learn(tr._prepare([0, 1], gens, ADV, 0.0))[5] == 0.0  # an idle rank's repeated prompt counts nothing
