@@ -337,3 +337,30 @@ def test_inner_iteration_flops_sum_to_the_batch_total(tiny_model_dir):
     assert steps[1] == steps[2] == pytest.approx(per_step_train, rel=1e-12)
     assert steps[0] == pytest.approx(2 * P * G * B * L + 2 * P * G * B * L + per_step_train, rel=1e-12)
     assert sum(steps) == pytest.approx((2 + 2 + 3 * 6) * P * G * B * L + 3 * 12 * P, rel=1e-12)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_defaults_compute_the_single_pass_step_bit_for_bit(tiny_model_dir, beta):
+    """micro_batch_size None and iterations 1 (the defaults): the step is the one-forward computation written
+    out here (the trainer's code before micro-batches and mu), equal to the last bit in loss, gradient, stats."""
+    from esbatch.grpo.core import grpo_loss, token_entropy, token_logprobs
+
+    tr, model, _, gens = _trainer8(tiny_model_dir, beta=beta)
+    ent, kl, clip, loss, n_tok, _ = tr._learn(tr._prepare([0, 1], gens, ADV8, 1.0))
+    got = tr.engine.grads[0]
+
+    ids, attn, mask, _ = tr._sequences([0, 1], gens)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    logp = token_logprobs(logits, ids[:, 1:], TEMP)
+    ref_logp = None
+    if beta > 0:
+        with torch.no_grad():
+            ref_logp = token_logprobs(
+                tr.ref(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), ids[:, 1:], TEMP
+            )
+    want, stats = grpo_loss(logp, logp.detach(), ADV8.reshape(-1), mask, beta=beta, ref_logp=ref_logp)
+    want.backward()
+    h = (token_entropy(logits.detach(), TEMP) * mask).sum() / mask.sum().clamp(min=1)
+    assert (loss, ent, kl, clip, n_tok) == (float(want), float(h), stats["kl"], stats["clip_fraction"], 28.0)
+    for n, p in model.named_parameters():
+        assert torch.equal(got[n], p.grad), n
