@@ -1,6 +1,7 @@
 """Peak memory of one ES update vs one GRPO step vs inference alone (SmolLM2-135M-Instruct, fp32, CPU).
 
     .venv/bin/python benchmarks/memory_es_vs_grpo.py --n 8 --g 8 --batch 8 --tokens 64 --threads 2 [--beta 0.04]
+    .venv/bin/python benchmarks/memory_es_vs_grpo.py --batch 8 32 --micro-batch 8 --max-gb 16 [--phases es grpo]
 
 Paper claim: ES needs about inference-level memory; GRPO adds gradients, optimizer state and activations.
 Each phase runs in its own fresh subprocess (ru_maxrss is a per-process high-water mark) on the same B
@@ -11,7 +12,8 @@ prompts of the quickstart arithmetic task (the batch of update/step t = 0), with
               minimum (drift tracking adds an fp32 theta_0 copy, P*4 bytes, shown in the accounting)
   infer-grpo  the GRPO step's B x G rollouts (G samples per prompt, one batched call), fixed weights
   grpo        one GRPOTrainer.step on a DeepSpeed engine built as GRPOTrainer.setup builds it (world size 1, AdamW, ZeRO
-              stage from the config), beta 0: no reference model
+              stage from the config), beta 0: no reference model; --micro-batch sets grpo.micro_batch_size (the
+              forward/backward then holds that many sequences' activations at a time)
   grpo-ref    the same with beta = --beta: a frozen reference copy (only with --beta > 0)
 
 Per phase: RSS right after the model is loaded (weights paged in), RSS just before the step (ES master copy,
@@ -19,6 +21,9 @@ DeepSpeed engine built), peak RSS, wall time of the step (or generation), genera
 phase is compared with the inference phase that generates the same rollouts. Children run under an
 address-space limit (--max-gb, default 75% of available memory), so a phase that would exhaust a shared
 machine fails with an allocation error instead.
+
+Several --batch sizes run the phases once per size and end with a summary: GRPO step peak vs ES update peak
+per B. --phases picks a subset (e.g. es grpo, to skip the inference baselines at a large B).
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ def make_cfg(args: argparse.Namespace, phase: str, beta: float = 0.0):
         "grpo.updates": 1,
         "grpo.beta": beta,
     }
+    if args.micro_batch:
+        sets["grpo.micro_batch_size"] = args.micro_batch
     return load_config("quickstart", [f"{k}={v}" for k, v in sets.items()])
 
 
@@ -152,7 +159,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=8, help="ES population size N")
     ap.add_argument("--g", type=int, default=8, help="GRPO group size G")
-    ap.add_argument("--batch", type=int, default=8, help="B: prompts per ES update / GRPO step")
+    ap.add_argument(
+        "--batch", type=int, nargs="+", default=[8], help="B: prompts per ES update / GRPO step (several: one run each)"
+    )
+    ap.add_argument("--micro-batch", type=int, default=None, help="grpo.micro_batch_size (default: none, one pass)")
+    all_phases = ["infer-es", "es", "infer-grpo", "grpo", "grpo-ref"]
+    ap.add_argument("--phases", nargs="+", choices=all_phases, help="run only these phases (default: all)")
     ap.add_argument("--tokens", type=int, default=64, help="generation.max_new_tokens")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--beta", type=float, default=0.0, help="> 0: also run GRPO with a reference model")
@@ -161,19 +173,44 @@ def main() -> None:
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
+        args.batch = args.batch[0]
         print(json.dumps(run_phase(args)))
         return
+    sizes, summary = args.batch, []
+    for b in sizes:
+        args.batch = b
+        t0 = time.perf_counter()
+        res = run_all(args)
+        summary.append((b, res, time.perf_counter() - t0))
+    if len(sizes) > 1 or args.micro_batch:
+        mb = args.micro_batch or "none (whole batch)"
+        print(
+            f"\nsummary: peak RSS MB, one ES update (N={args.n}) vs one GRPO step (G={args.g}, micro_batch_size {mb})"
+        )
+        print(f"{'B':>4}{'ES peak':>10}{'GRPO peak':>11}{'GRPO/ES':>9}{'wall s':>8}")
+        for b, res, wall in summary:
+            es, grpo = res.get("es", {}), res.get("grpo", {})
+            e, g = es.get("peak_mb"), grpo.get("peak_mb")
+            cell = lambda v, r: "-" if v is None else (f"{v:.0f}" + ("!" if "error" in r else ""))  # noqa: E731
+            ratio = f"{g / e:.2f}" if e and g else "-"
+            print(f"{b:>4}{cell(e, es):>10}{cell(g, grpo):>11}{ratio:>9}{wall:>8.0f}")
+        print("! = the phase failed (e.g. at the address-space limit); its figure is the peak reached before")
+
+
+def run_all(args: argparse.Namespace) -> dict:
+    """Every phase for one B, each in a child process; prints the per-B table and returns the results."""
 
     def limit() -> None:
         lim = int(args.max_gb * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
 
     phases = ["infer-es", "es", "infer-grpo", "grpo"] + (["grpo-ref"] if args.beta > 0 else [])
+    phases = [ph for ph in phases if not args.phases or ph in args.phases]
     res = {}
     for ph in phases:
         flags = [
             f"--{k}={getattr(args, k.replace('-', '_'))}" for k in ("n", "g", "batch", "tokens", "threads", "beta")
-        ]
+        ] + ([f"--micro-batch={args.micro_batch}"] if args.micro_batch else [])
         cmd = [sys.executable, __file__, "--phase", ph, *flags]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=limit)
@@ -185,6 +222,7 @@ def main() -> None:
     print(
         f"\nSmolLM2-135M-Instruct fp32 CPU, {args.threads} threads; ES N={args.n}, GRPO G={args.g}, "
         f"B={args.batch} prompts, {args.tokens} new tokens; child address-space limit {args.max_gb} GB"
+        + (f"; GRPO micro_batch_size {args.micro_batch}" if args.micro_batch else "")
     )
     head = ("loaded", "ready", "peak MB", "+ over loaded", "x infer", "step s", "tokens")
     print(f"{'phase':<11}" + "".join(f"{h:>{n}}" for h, n in zip(head, (8, 8, 9, 15, 9, 8, 8))))
@@ -201,16 +239,16 @@ def main() -> None:
             + (f"{r['step_s']:8.1f}{r['tokens']:8}" if "error" not in r else f"  FAILED at this peak: {r['error']}")
         )
     print("x infer: peak / peak of the inference phase generating the same rollouts (infer-es or infer-grpo)")
-    es, grpo = res["es"], res["grpo"]
+    es, grpo = res.get("es", {}), res.get("grpo", {})
     if "peak_mb" in es and "peak_mb" in grpo:
         at_least = "> " if "error" in grpo else ""
         print(f"headline: GRPO step peak / ES update peak = {at_least}{grpo['peak_mb'] / es['peak_mb']:.2f}")
 
     ok = next((r for r in res.values() if "params" in r), None)
     if ok is None:
-        return
+        return res
     P, w = ok["params"], ok["params"] * 4 / MB
-    seqs, L = args.batch * args.g, ok["prompt_tokens"] + args.tokens
+    seqs, L = min(args.batch * args.g, args.micro_batch or args.batch * args.g), ok["prompt_tokens"] + args.tokens
     logits = seqs * (L - 1) * ok["vocab"] * 4 / MB
     print(f"\ntheory (P = {P / 1e6:.1f}M parameters, fp32): weights P*4 = {w:.0f} MB, in every phase")
     big = ok["largest"] * 24 / MB  # es_update per tensor: fp32 acc + eps, float64 copy + its square (for the norm)
@@ -227,6 +265,7 @@ def main() -> None:
     if "peak_mb" in grpo and "error" not in grpo:
         act = grpo["peak_mb"] - grpo["loaded_mb"] - 4 * w
         print(f"  measured GRPO increase minus the {4 * w:.0f} MB of states = {act:.0f} MB (activations, buffers)")
+    return res
 
 
 if __name__ == "__main__":

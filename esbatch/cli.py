@@ -382,6 +382,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
             G=cfg.grpo.group_size,
             beta=cfg.grpo.beta,
             updates=sec.updates or 1,
+            iterations=cfg.grpo.iterations,
         )
     )
     return 0

@@ -55,7 +55,8 @@ def stage_configs(
         section = getattr(sc, ALGORITHMS.get(algo).section)
         section.updates, section.epochs = n, None
         sc.run.data_before = [list(x) for x in before]
-        before.append([n, section.batch_size])
+        batches = -(-n // section.iterations) if algo == "grpo" else n  # GRPO: mu optimizer steps per batch
+        before.append([batches, section.batch_size])
         sc.model.init_weights = prev
         rd = RunDir(run_dir).stage(k, algo)
         sc.run.output_dir, sc.run.name = str(run_dir), rd.path.name

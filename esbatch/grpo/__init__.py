@@ -14,6 +14,14 @@ class GRPO(Algorithm):
     inert: ClassVar[tuple[str, ...]] = ("es", "pipeline")
 
     @classmethod
+    def budget(cls, cfg: Any, n_train: int) -> int:
+        """Optimizer steps (TRL's max_steps / global_step): `grpo.updates`, or for `grpo.epochs` the batches of
+        the epochs (keep-tail) x `grpo.iterations`, each generated batch serving mu optimizer steps."""
+        if cfg.grpo.updates is not None:
+            return cfg.grpo.updates
+        return super().budget(cfg, n_train) * cfg.grpo.iterations
+
+    @classmethod
     def join_ranks(cls, cfg: Any) -> Any:
         """DeepSpeed's process group (gloo on CPU, NCCL on GPU), also for a single process."""
         from esbatch.grpo.trainer import init_distributed

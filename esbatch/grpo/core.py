@@ -102,7 +102,15 @@ def clipped_surrogate(
     return -torch.minimum(unclipped, clipped_term), clipped & mask.bool()
 
 
-def aggregate(per_token: Tensor, mask: Tensor, mode: str = "token_mean", max_len: int | None = None) -> Tensor:
+def aggregate(
+    per_token: Tensor,
+    mask: Tensor,
+    mode: str = "token_mean",
+    max_len: int | None = None,
+    *,
+    n_tokens: Tensor | float | None = None,
+    n_seqs: int | None = None,
+) -> Tensor:
     """Reduce a per-token loss[B, T] over the valid tokens (n_i = sum_t mask_it) to a scalar.
 
     token_mean:              sum_it l_it m_it / sum_it m_it          (verl "token-mean", DAPO; TRL "dapo")
@@ -113,18 +121,35 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str = "token_mean", max_len
     L should be the constant max completion length; it defaults to T, the padded width (verl's divisor;
     verl's sum-norm also omits the 1/B, a constant factor).
     Empty denominators count as 1, so an all-padding batch or sequence adds 0 instead of NaN.
+
+    Gradient accumulation: when ``per_token`` is one micro-batch of a larger batch, pass that batch's valid
+    tokens ``n_tokens`` (sum_it m_it), its sequence count ``n_seqs`` and ``max_len`` (its padded width); the
+    micro-batch terms then sum to the whole batch's loss (not a mean of per-micro-batch means). None (the
+    default) takes them from this tensor, the unbatched computation.
     """
     m = mask.to(per_token.dtype)
     token_sums = (per_token * m).sum(-1)
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")
+    if n_tokens is not None or n_seqs is not None:  # one micro-batch's share of the whole batch's loss
+        if mode == "token_mean":
+            if n_tokens is None:
+                raise ValueError("token_mean over micro-batches needs the whole batch's n_tokens")
+            return token_sums.sum() / torch.as_tensor(n_tokens, dtype=m.dtype).clamp(min=1)
+        if n_seqs is None:
+            raise ValueError(f"{mode} over micro-batches needs the whole batch's n_seqs")
+        if mode == "seq_mean_token_mean":
+            return (token_sums / m.sum(-1).clamp(min=1)).sum() / n_seqs
+        if mode == "seq_mean_token_sum":
+            return token_sums.sum() / n_seqs
+        return token_sums.sum() / n_seqs / (per_token.shape[-1] if max_len is None else max_len)
     if mode == "token_mean":
         return token_sums.sum() / m.sum().clamp(min=1)
     if mode == "seq_mean_token_mean":
         return (token_sums / m.sum(-1).clamp(min=1)).mean()
     if mode == "seq_mean_token_sum":
         return token_sums.mean()
-    if mode == "seq_mean_token_sum_norm":
-        return token_sums.mean() / (per_token.shape[-1] if max_len is None else max_len)
-    raise ValueError(f"unknown aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")
+    return token_sums.mean() / (per_token.shape[-1] if max_len is None else max_len)  # seq_mean_token_sum_norm
 
 
 def grpo_loss(
@@ -139,6 +164,8 @@ def grpo_loss(
     ref_logp: Tensor | None = None,
     aggregation: str = "token_mean",
     max_len: int | None = None,
+    n_tokens: Tensor | float | None = None,
+    n_seqs: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The GRPO objective (Shao et al., 2024) as TRL computes it, to minimize:
 
@@ -147,6 +174,7 @@ def grpo_loss(
     old_logp=None means one update per generation batch: old = logp.detach(), so rho = 1 with grad A.
     ref_logp is required when beta > 0; with beta = 0 (TRL's default) there is no reference model.
     Stats (masked means over valid tokens): clip_fraction, kl (k3; 0 without ref_logp), ratio.
+    n_tokens / n_seqs: the whole batch's counts when this is one micro-batch of it (see ``aggregate``).
     """
     if beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp from the reference model")
@@ -155,7 +183,7 @@ def grpo_loss(
     kl = kl_k3(logp, ref_logp.detach()) if ref_logp is not None else torch.zeros_like(logp)
     if beta != 0.0:
         per_token = per_token + beta * kl
-    loss = aggregate(per_token, mask, aggregation, max_len)
+    loss = aggregate(per_token, mask, aggregation, max_len, n_tokens=n_tokens, n_seqs=n_seqs)
 
     with torch.no_grad():
         m = mask.to(logp.dtype)

@@ -1,16 +1,22 @@
 """GRPO on DeepSpeed (paper Section 2.2), readable top to bottom.
 
-Per step t (every rank, data-parallel):  take this rank's share of the step's B prompts -> generate G
-responses per prompt with the current policy -> score them with the task verifier -> group-relative
-advantages (all ranks' rewards gathered, so batch statistics are global) -> one forward/backward of the
-clipped token-level surrogate (+ beta * k3 KL to a frozen reference when beta > 0) -> DeepSpeed step
-(ZeRO, AdamW, gradient clipping) -> the record the lifecycle logs (esbatch/train/lifecycle.py).
+Per step t (every rank, data-parallel), one optimizer step, as TRL counts them (global_step). Every
+mu = ``grpo.iterations`` steps (t % mu == 0) a batch is generated: take this rank's share of batch t // mu's
+B prompts -> generate G responses per prompt with the current policy -> score them with the task verifier
+-> group-relative advantages (all ranks' rewards gathered, so batch statistics are global) -> with mu > 1
+the old log-probs, and with beta > 0 the frozen reference's, computed once and stored. Then, every step:
+forward/backward of the clipped token-level surrogate (+ beta * k3 KL) in micro-batches of
+``grpo.micro_batch_size`` sequences, gradients accumulated (each micro-batch's loss is its share of the
+whole batch's, so the gradient equals the unbatched one) -> one DeepSpeed step (ZeRO, AdamW, gradient
+clipping) -> the record the lifecycle logs (esbatch/train/lifecycle.py).
 
 Generation uses the DeepSpeed module itself (HF ``generate`` on ``engine.module``, through the backend
 registry's ``for_policy``): with ZeRO stages 0-2 every rank holds the full updated weights after
-``engine.step()``, so the generator is in sync by construction. One inner iteration per batch (old
-log-probs = the sampling policy's, detached), as TRL's default ``num_iterations=1``. Resume continues from
-the newest DeepSpeed checkpoint (``checkpoint.every``); steps logged after it are redone.
+``engine.step()``, so the generator is in sync by construction. With mu = 1 (TRL's default
+``num_iterations=1``) the old log-probs are the current ones, detached (ratio 1, no extra forward). Resume
+continues from the newest DeepSpeed checkpoint (``checkpoint.every``); steps logged after it are redone. A
+checkpoint inside a generated batch (t % mu != 0) also keeps each rank's stored batch, so resuming there
+continues on the same rollouts and old log-probs.
 """
 
 from __future__ import annotations
@@ -53,12 +59,25 @@ def init_distributed(device: str, timeout_min: float = 30.0) -> Ranks:
     return joined("gloo", timeout_min)
 
 
+def micro_batches(cfg: Any, world: int) -> int:
+    """Forward/backward passes per optimizer step on every rank: ceil(S / micro_batch_size), S the sequences
+    of the largest rank share, ceil(B / world) x G (1 without micro-batching). Ranks with fewer sequences
+    (an uneven or tail batch) pad with zero-weight passes: DeepSpeed's accumulation counts backward calls."""
+    g = cfg.grpo
+    if g.micro_batch_size is None:
+        return 1
+    return -(-(-(-g.batch_size // world) * g.group_size) // g.micro_batch_size)
+
+
 def ds_config(cfg: Any, world: int, on_gpu: bool) -> dict[str, Any]:
     g = cfg.grpo
+    gas = micro_batches(cfg, world)
     return {
-        "train_batch_size": world,  # one "micro-batch" (this rank's prompts x G responses) per rank per step
+        # DeepSpeed's "micro-batch" is one of our micro-batches of sequences; our losses are already normalised
+        # over the whole batch (backward(scale_wrt_gas=False)), so its accumulation only counts to the step
+        "train_batch_size": world * gas,
         "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": gas,
         "gradient_clipping": g.max_grad_norm,
         "optimizer": {
             "type": "AdamW",
@@ -80,6 +99,7 @@ class GRPOTrainer(Trainer):
     def __init__(self, cfg: Any, rd: RunDir, ranks: Ranks, device: str) -> None:
         self.cfg, self.rd, self.ranks, self.device = cfg, rd, ranks, device
         self._checksum: float | None = None
+        self._batch: dict[str, Any] | None = None  # the generated batch the next steps train on
 
     def setup(self) -> int:
         import deepspeed
@@ -115,20 +135,29 @@ class GRPOTrainer(Trainer):
         _, client = self.engine.load_checkpoint(str(self.rd.ds_checkpoint))
         start = int(client["step"])
         self.saved_at = start if self.rd.center_t() == start else -1  # the final center may be missing
+        if start % self.cfg.grpo.iterations:  # inside a generated batch: continue on the stored one
+            import torch
+
+            path = self._batch_file(start)
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: the generated batch of the checkpoint after step {start} is missing")
+            self._batch = torch.load(path, map_location=next(self.engine.module.parameters()).device)
         return start
 
+    def _batch_file(self, t: int) -> Path:
+        return Path(self.rd.ds_checkpoint) / f"step{t}" / f"grpo_batch_rank{self.ranks.rank}.pt"
+
     def step(self, t: int) -> dict[str, Any]:
-        """One GRPO step on this rank's share of the batch; the record holds metrics averaged over ranks."""
-        cfg, g = self.cfg, self.cfg.grpo
-        n = len(self.probs.train)
-        _, idx = batch_indices(cfg.run.seed, t, n, g.batch_size, schedule_start(n, cfg.run.data_before))
-        mine = idx[self.ranks.rank :: self.ranks.world] or idx[:1]  # a short tail batch: idle ranks repeat a
-        weight = 1.0 if idx[self.ranks.rank :: self.ranks.world] else 0.0  # prompt, with weight 0 below
-        t0 = time.perf_counter()
-        gens, rewards = self._sample(mine, t)
-        t_gen = time.perf_counter() - t0
+        """One optimizer step on this rank's share of the batch (generated first when t % mu == 0); the record
+        holds metrics averaged over ranks."""
+        mu = self.cfg.grpo.iterations
+        generated = self._batch is None or self._batch["index"] != t // mu
+        if generated:
+            self._batch = self._rollouts(t // mu)
+        b = self._batch
+        rewards, t_gen = b["rewards"], b["t_gen"]
         t1 = time.perf_counter()
-        stats = self._learn(mine, gens, self._advantages(rewards), weight)
+        stats = self._learn(b, first=generated)
         t_train = time.perf_counter() - t1
         self._checksum = self._weights_checksum()
         local = [float(rewards.mean()), float(rewards.std()), *stats, self._checksum]
@@ -142,8 +171,8 @@ class GRPOTrainer(Trainer):
             "policy/clip_fraction": float(m[:, 4].mean()),
             "loss": float(m[:, 5].mean()),
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "tokens/per_s": float(m[:, 6].sum()) / max(t_gen, 1e-9),
-            "time/generation_s": t_gen,
+            "tokens/per_s": float(m[:, 6].sum()) / max(t_gen, 1e-9),  # of the generation this batch came from
+            "time/generation_s": t_gen if generated else 0.0,
             "time/train_s": t_train,
             "flops/update": float(m[:, 7].sum()),  # App. G.2 accounting with this step's real token counts
         }
@@ -177,43 +206,130 @@ class GRPOTrainer(Trainer):
             return (rewards - rewards.mean(1, keepdim=True)) / (torch.cat(everyone).std() + 1e-4)
         return group_advantages(rewards, scale=self.cfg.grpo.scale_rewards)
 
-    def _learn(self, mine: list[int], gens: list[Any], adv: Any, weight: float) -> list[float]:
-        """Forward/backward of the clipped surrogate and the DeepSpeed step; returns this rank's
-        [entropy, kl, clip fraction, loss, completion tokens, FLOPs]."""
+    def _rollouts(self, index: int) -> dict[str, Any]:
+        """Generate and score batch ``index`` (this rank's share), with everything its mu optimizer steps
+        reuse: sequences, advantages, old log-probs (mu > 1) and reference log-probs (beta > 0)."""
+        cfg, g = self.cfg, self.cfg.grpo
+        n = len(self.probs.train)
+        _, idx = batch_indices(cfg.run.seed, index, n, g.batch_size, schedule_start(n, cfg.run.data_before))
+        mine = idx[self.ranks.rank :: self.ranks.world] or idx[:1]  # a short tail batch: idle ranks repeat a
+        weight = 1.0 if idx[self.ranks.rank :: self.ranks.world] else 0.0  # prompt, with weight 0 in the loss
+        t0 = time.perf_counter()
+        gens, rewards = self._sample(mine, index)
+        t_gen = time.perf_counter() - t0
+        b = self._prepare(mine, gens, self._advantages(rewards), weight)
+        return {**b, "index": index, "rewards": rewards, "t_gen": t_gen}
+
+    def _prepare(self, mine: list[int], gens: list[Any], adv: Any, weight: float) -> dict[str, Any]:
+        """The tensors the optimizer steps on one generated batch reuse, and the batch's FLOPs."""
+        g = self.cfg.grpo
+        ids, attn, mask, n_prompt = self._sequences(mine, gens)
+        self.engine.module.train()  # the mode of the training forward, so the first inner step has ratio 1
+        old = self._logprobs(self.engine.module, ids, attn) if g.iterations > 1 else None
+        ref = self._logprobs(self.ref, ids, attn) if g.beta > 0 else None
+        n_tok, n_seq = float(mask.sum()), ids.shape[0]
+        prompt_len, gen_len = max(n_prompt / n_seq, 1.0), max(n_tok / n_seq, 1.0)
+        P, mu = self.gen.num_parameters(), g.iterations
+        flops = grpo_flops(P, g.group_size, len(mine), prompt_len, gen_len, beta=g.beta, iterations=mu)
+        return {
+            "weight": weight,
+            "adv": adv.reshape(-1).to(ids.device),
+            "ids": ids,
+            "attn": attn,
+            "mask": mask,
+            "old_logp": old,
+            "ref_logp": ref,
+            "flops": flops,
+        }
+
+    def _slices(self, n: int) -> list[slice]:
+        """This rank's n sequences in micro-batches of ``grpo.micro_batch_size`` (the last may be short)."""
+        size = self.cfg.grpo.micro_batch_size or n
+        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+    def _logits(self, model: Any, ids: Any, attn: Any, sl: slice) -> tuple[Any, int]:
+        """fp32 logits [n, width - 1, V] of sequences ``sl``, cut to their longest (right padding: causal
+        attention makes the cut exact), and that width."""
+        width = int(attn[sl].sum(1).max())
+        out = model(input_ids=ids[sl, :width], attention_mask=attn[sl, :width])
+        return out.logits[:, :-1].float(), width
+
+    def _logprobs(self, model: Any, ids: Any, attn: Any) -> Any:
+        """Token log-probs [B, T] of ``model`` without gradient, micro-batch by micro-batch (zeros past each
+        micro-batch's width, where the loss mask is 0)."""
+        import torch
+
+        from esbatch.grpo.core import token_logprobs
+
+        temp = self.cfg.generation.temperature or 1.0
+        out = torch.zeros(ids.shape[0], ids.shape[1] - 1, device=ids.device)
+        with torch.no_grad():
+            for sl in self._slices(ids.shape[0]):
+                logits, width = self._logits(model, ids, attn, sl)
+                out[sl, : width - 1] = token_logprobs(logits, ids[sl, 1:width], temp)
+                del logits
+        return out
+
+    def _learn(self, b: dict[str, Any], first: bool = True) -> list[float]:
+        """One optimizer step on the stored batch ``b``: forward/backward of the clipped surrogate micro-batch
+        by micro-batch, gradients accumulated, then the DeepSpeed step; returns this rank's
+        [entropy, kl, clip fraction, loss, completion tokens, FLOPs]. FLOPs: this step's share of the batch's
+        (App. G.2); the ``first`` step of a batch also carries its generation, old and reference forwards,
+        so the mu steps of a batch sum to grpo_flops(..., iterations=mu)["total"]."""
         import torch
 
         from esbatch.grpo.core import grpo_loss, token_entropy, token_logprobs
 
         g, temp = self.cfg.grpo, self.cfg.generation.temperature or 1.0
-        ids, attn, mask, n_prompt = self._sequences(mine, gens)
+        ids, attn, mask, adv, weight = b["ids"], b["attn"], b["mask"], b["adv"], b["weight"]
+        parts = self._slices(ids.shape[0])
+        whole = len(parts) == 1  # the unbatched computation, term for term
+        n_tok = mask.sum()
+        # the whole batch's denominators, so that the micro-batch losses sum to its loss (core.aggregate)
+        norm = {} if whole else {"n_tokens": n_tok, "n_seqs": ids.shape[0], "max_len": mask.shape[1]}
         self.engine.module.train()
-        logits = self.engine(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        logp = token_logprobs(logits, ids[:, 1:], temp)
-        ref_logp = None
-        if g.beta > 0:
+        loss_sum, ent_sum, kl_sum, clip_sum = 0.0, 0.0, 0.0, 0.0
+        stats: dict[str, float] = {}
+        for k in range(micro_batches(self.cfg, self.ranks.world)):
+            pad = k >= len(parts)  # a rank with fewer sequences than the largest share: a zero-weight pass
+            sl = parts[-1] if pad else parts[k]
+            logits, width = self._logits(self.engine, ids, attn, sl)
+            m = mask[sl, : width - 1]
+            logp = token_logprobs(logits, ids[sl, 1:width], temp)
+            old = logp.detach() if b["old_logp"] is None else b["old_logp"][sl, : width - 1]
+            ref = None if b["ref_logp"] is None else b["ref_logp"][sl, : width - 1]
+            loss, stats = grpo_loss(
+                logp,
+                old,
+                adv[sl],
+                m,
+                eps_low=g.epsilon,
+                eps_high=g.epsilon_high,
+                beta=g.beta,
+                ref_logp=ref,
+                aggregation=g.loss_aggregation,
+                **norm,
+            )
+            self.engine.backward(loss * (0.0 if pad else weight), scale_wrt_gas=False)
+            self.engine.step()  # DeepSpeed steps the optimizer at the last micro-batch only
+            if pad:
+                continue
             with torch.no_grad():
-                ref = self.ref(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-                ref_logp = token_logprobs(ref, ids[:, 1:], temp)
-        loss, stats = grpo_loss(
-            logp,
-            logp.detach(),
-            adv.reshape(-1).to(ids.device),
-            mask,
-            eps_low=g.epsilon,
-            eps_high=g.epsilon_high,
-            beta=g.beta,
-            ref_logp=ref_logp,
-            aggregation=g.loss_aggregation,
-        )
-        self.engine.backward(loss * weight)
-        self.engine.step()
-        with torch.no_grad():
-            ent = (token_entropy(logits.detach(), temp) * mask).sum() / mask.sum().clamp(min=1)
-        n_tok, n_seq = float(mask.sum()), ids.shape[0]
-        prompt_len, gen_len = max(n_prompt / n_seq, 1.0), max(n_tok / n_seq, 1.0)
-        flops = grpo_flops(self.gen.num_parameters(), g.group_size, len(mine), prompt_len, gen_len, beta=g.beta)
-        kl, clip = float(stats["kl"]), float(stats["clip_fraction"])
-        return [float(ent), kl, clip, float(loss.detach()), n_tok, flops["total"] * weight]
+                ent_sum = ent_sum + (token_entropy(logits.detach(), temp) * m).sum()
+                n = float(m.sum())
+                loss_sum += float(loss.detach())
+                kl_sum += stats["kl"] * n
+                clip_sum += stats["clip_fraction"] * n
+            del logits, logp, loss
+        ent = ent_sum / n_tok.clamp(min=1)
+        if whole:
+            kl, clip = float(stats["kl"]), float(stats["clip_fraction"])
+        else:
+            kl, clip = kl_sum / max(float(n_tok), 1.0), clip_sum / max(float(n_tok), 1.0)
+        f, mu = b["flops"], g.iterations
+        per_step = (f["train_fwd_bwd"] + f["optimizer"]) / mu
+        flops = f["total"] - (mu - 1) * per_step if first else per_step
+        return [float(ent), kl, clip, loss_sum, float(n_tok), flops * weight]
 
     def _sequences(self, mine: list[int], gens: list[Any]) -> tuple[Any, Any, Any, float]:
         """prompt + sampled tokens, right-padded, the attention mask, the loss mask over sampled tokens
@@ -251,6 +367,10 @@ class GRPOTrainer(Trainer):
 
     def save(self, t: int, final: bool) -> None:
         self.engine.save_checkpoint(str(self.rd.ds_checkpoint), tag=f"step{t}", client_state={"step": t})
+        if t % self.cfg.grpo.iterations and self._batch is not None:  # resuming here reuses this batch
+            import torch
+
+            torch.save(self._batch, self._batch_file(t))
         if final and self.ranks.lead:  # the policy in the same format as an ES center: evaluable, hand-over-able
             self.rd.save_center(self.policy_state(), t)
 

@@ -12,12 +12,14 @@ ES, one update (App. G.1): N members each generate one response to each of the B
     generation       2 P N B L
     perturb+restore  4 P N        theta += sigma eps_i, then -= sigma eps_i (one multiply-add each)
     update           2 P N        theta += alpha/N sum_i z_i eps_i (one multiply-add per direction)
-GRPO, one step (TRL, one optimizer step per generation batch, num_iterations=1): G responses to each of B prompts.
+GRPO, one generated batch: G responses to each of B prompts, then mu = grpo.iterations optimizer steps on
+them (TRL num_iterations; mu = 1 is one optimizer step per generation batch, TRL's default).
     generation       2 P G B L
-    old_logprobs     2 P G B L    only when old log-probs are recomputed (verl; TRL with num_iterations > 1)
-    reference        2 P G B L    only when beta > 0 (TRL loads no reference model at beta = 0)
-    train_fwd_bwd    6 P G B L
-    optimizer        12 P         AdamW ~10-14 FLOPs/param (moments, bias correction, sqrt, divide, decay)
+    old_logprobs     2 P G B L    when old log-probs are recomputed (verl) and whenever mu > 1 (TRL, esbatch):
+                                  one forward before the first inner step, stored for all mu
+    reference        2 P G B L    only when beta > 0 (TRL loads no reference model at beta = 0); once per batch
+    train_fwd_bwd    mu 6 P G B L one forward + backward per inner step (micro-batching does not change it)
+    optimizer        mu 12 P      AdamW ~10-14 FLOPs/param (moments, bias correction, sqrt, divide, decay)
 Gaussian noise generation (ES) and gradient clipping (GRPO) are not counted.
 
 The model passes dominate: with equal B and L, no reference and no recomputed old log-probs,
@@ -60,9 +62,10 @@ def es_flops(params: float, N: int, B: int, prompt_tokens: int, gen_tokens: int)
     return _totals(terms, ("generation",))
 
 
-def _grpo_per_token(beta: float, recompute_old_logprobs: bool) -> int:
-    """FLOPs per parameter per token of one GRPO step: 2 (generate) [+2 old] [+2 ref] + 6 (train)."""
-    return FORWARD * (1 + int(recompute_old_logprobs) + int(beta > 0)) + FORWARD + BACKWARD
+def _grpo_per_token(beta: float, recompute_old_logprobs: bool, iterations: int = 1) -> int:
+    """FLOPs per parameter per token of one generated batch: 2 (generate) [+2 old] [+2 ref] + mu 6 (train)."""
+    old = recompute_old_logprobs or iterations > 1
+    return FORWARD * (1 + int(old) + int(beta > 0)) + iterations * (FORWARD + BACKWARD)
 
 
 def grpo_flops(
@@ -73,16 +76,24 @@ def grpo_flops(
     gen_tokens: int,
     beta: float = 0.0,
     recompute_old_logprobs: bool = False,
+    iterations: int = 1,
 ) -> dict[str, float]:
-    """FLOPs of one GRPO step: F = (2 [+2] [+2] + 6) P G B (L_p + L_g) + 12 P (terms in the module docstring)."""
+    """FLOPs of one generated batch and its mu = ``iterations`` optimizer steps:
+
+        F = (2 [+2 old] [+2 ref] + 6 mu) P G B (L_p + L_g) + 12 mu P
+
+    old log-probs are counted when ``recompute_old_logprobs`` or mu > 1 (terms in the module docstring).
+    """
     _check(params, G, B, prompt_tokens, gen_tokens)
+    if iterations < 1:
+        raise ValueError(f"iterations (mu) must be >= 1, got {iterations}")
     fwd = FORWARD * params * G * B * (prompt_tokens + gen_tokens)
     terms = {
         "generation": fwd,
-        "old_logprobs": fwd if recompute_old_logprobs else 0,
+        "old_logprobs": fwd if recompute_old_logprobs or iterations > 1 else 0,
         "reference": fwd if beta > 0 else 0,
-        "train_fwd_bwd": (FORWARD + BACKWARD) * params * G * B * (prompt_tokens + gen_tokens),
-        "optimizer": ADAMW * params,
+        "train_fwd_bwd": iterations * (FORWARD + BACKWARD) * params * G * B * (prompt_tokens + gen_tokens),
+        "optimizer": iterations * ADAMW * params,
     }
     return _totals(terms, ("generation", "old_logprobs", "reference", "train_fwd_bwd"))
 
@@ -110,14 +121,16 @@ def match_grpo_group(
     beta: float = 0.0,
     recompute_old_logprobs: bool = False,
     overhead: bool = True,
+    iterations: int = 1,
 ) -> float:
-    """The G with grpo_flops(G)["total"] == es_total:  G = (F_ES - 12 P) / (c P B L), c = 8 [+2] [+2].
+    """The G with grpo_flops(G)["total"] == es_total:  G = (F_ES - 12 mu P) / (c P B L), c = 2 + 6 mu [+2] [+2].
 
     overhead=False matches the model passes only (pass ``es_flops(...)["passes"]``): G = F / (c P B L).
     """
     _check(params, 1, B, prompt_tokens, gen_tokens)
-    per_response = _grpo_per_token(beta, recompute_old_logprobs) * params * B * (prompt_tokens + gen_tokens)
-    return (es_total - (ADAMW * params if overhead else 0)) / per_response
+    per_token = _grpo_per_token(beta, recompute_old_logprobs, iterations)
+    per_response = per_token * params * B * (prompt_tokens + gen_tokens)
+    return (es_total - (iterations * ADAMW * params if overhead else 0)) / per_response
 
 
 def format_accounting(
@@ -131,17 +144,23 @@ def format_accounting(
     beta: float = 0.0,
     recompute_old_logprobs: bool = False,
     updates: int = 1,
+    iterations: int = 1,
 ) -> str:
-    """A readable table of every term, per update and for a run of ``updates`` updates, and the matched N and G."""
+    """A readable table of every term, per update and for a run of ``updates`` updates, and the matched N and G.
+
+    A GRPO "update" is one generated batch with its mu = ``iterations`` optimizer steps; the run of ``updates``
+    optimizer steps (TRL's max_steps) holds updates / mu of them.
+    """
     es = es_flops(params, N, B, prompt_tokens, gen_tokens)
-    grpo = grpo_flops(params, G, B, prompt_tokens, gen_tokens, beta, recompute_old_logprobs)
+    grpo = grpo_flops(params, G, B, prompt_tokens, gen_tokens, beta, recompute_old_logprobs, iterations)
+    old = recompute_old_logprobs or iterations > 1
     labels = {"generation": f"generation (N={N})", "perturb_restore": "perturb + restore", "update": "update"}
     grpo_labels = {
         "generation": f"generation (G={G})",
-        "old_logprobs": "old log-probs" + ("" if recompute_old_logprobs else " (not recomputed)"),
+        "old_logprobs": "old log-probs" + ("" if old else " (not recomputed)"),
         "reference": "reference forward" + (f" (beta={beta:g})" if beta > 0 else " (beta=0, none)"),
-        "train_fwd_bwd": "train forward + backward",
-        "optimizer": "AdamW step",
+        "train_fwd_bwd": "train forward + backward" + (f" (mu={iterations})" if iterations > 1 else ""),
+        "optimizer": "AdamW step" + (f"s (mu={iterations})" if iterations > 1 else ""),
     }
     run = f"per run (U={updates})"
     lines = [
@@ -151,14 +170,17 @@ def format_accounting(
         "",
         f"{'method':<7}{'term':<34}{'per update':>12}{run:>18}{'share':>9}",
     ]
-    for method, flops, names, terms in (("ES", es, labels, ES_TERMS), ("GRPO", grpo, grpo_labels, GRPO_TERMS)):
+    runs = (("ES", es, labels, ES_TERMS, updates), ("GRPO", grpo, grpo_labels, GRPO_TERMS, updates / iterations))
+    for method, flops, names, terms, batches in runs:
         for key in (*terms, "total"):
             name = names.get(key, "total")
             share = 100 * flops[key] / flops["total"]
-            lines.append(f"{method:<7}{name:<34}{flops[key]:>12.3e}{flops[key] * updates:>18.3e}{share:>8.3f}%")
+            lines.append(f"{method:<7}{name:<34}{flops[key]:>12.3e}{flops[key] * batches:>18.3e}{share:>8.3f}%")
     n_match = match_es_population(grpo["total"], params, B, prompt_tokens, gen_tokens)
     n_passes = match_es_population(grpo["passes"], params, B, prompt_tokens, gen_tokens, overhead=False)
-    g_match = match_grpo_group(es["total"], params, B, prompt_tokens, gen_tokens, beta, recompute_old_logprobs)
+    g_match = match_grpo_group(
+        es["total"], params, B, prompt_tokens, gen_tokens, beta, recompute_old_logprobs, iterations=iterations
+    )
     lines += [
         "",
         f"GRPO / ES per update: {grpo['total'] / es['total']:.4f}",

@@ -1,4 +1,5 @@
-"""GRPO through the CLI on DeepSpeed (CPU, gloo): 2 ranks really run; weights change and ranks agree."""
+"""GRPO through the CLI on DeepSpeed (CPU, gloo): 2 ranks really run; weights change and ranks agree; micro-batches
+accumulate through DeepSpeed's gradient accumulation; mu inner iterations resume inside a generated batch."""
 
 import json
 from pathlib import Path
@@ -28,7 +29,9 @@ def write_cfg(tmp: Path, model_dir: Path, **grpo) -> Path:
 
 
 def test_two_rank_deepspeed_grpo_steps(tmp_path, tiny_model_dir):
-    path = write_cfg(tmp_path, tiny_model_dir, beta=0.05)  # beta > 0: a frozen reference and a k3 KL term
+    # beta > 0: a frozen reference and a k3 KL term; 2 prompts x G=4 = 8 sequences per rank in micro-batches
+    # of 3, 3, 2: three backward passes accumulated by DeepSpeed (gradient_accumulation_steps 3) per step
+    path = write_cfg(tmp_path, tiny_model_dir, beta=0.05, micro_batch_size=3)
     p = run_esbatch("train", str(path), "--no-progress")
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
@@ -68,15 +71,26 @@ def test_two_rank_deepspeed_grpo_steps(tmp_path, tiny_model_dir):
 
 
 def test_grpo_resume_continues_from_the_deepspeed_checkpoint(tmp_path, tiny_model_dir):
-    path = write_cfg(tmp_path, tiny_model_dir)
+    # mu = 2: steps 0-1 train on batch 0, steps 2-3 on batch 1; the run stops after step 2, inside batch 1
+    path = write_cfg(tmp_path, tiny_model_dir, iterations=2, updates=3)
     run = lambda *a: run_esbatch("train", *a, "--no-progress")  # noqa: E731
     p = run(str(path))
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     rd = tmp_path / "runs" / "g"
-    p = run("--resume", str(rd), "--set", "grpo.updates=3")  # extend the budget by one step
+    assert sorted(f.name for f in (rd / "ds_checkpoint" / "step3").glob("grpo_batch_rank*.pt")) == [
+        "grpo_batch_rank0.pt",
+        "grpo_batch_rank1.pt",
+    ]
+    p = run("--resume", str(rd), "--set", "grpo.updates=4")  # extend the budget by one step
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     log = [json.loads(x) for x in (rd / "log.jsonl").read_text().splitlines()]
-    assert [r["t"] for r in log] == [0, 1, 2]  # steps 0-1 were not redone
+    assert [r["t"] for r in log] == [0, 1, 2, 3]  # steps 0-2 were not redone
+    m = [r["metrics"] for r in log]
+    assert m[0]["time/generation_s"] > 0 and m[1]["time/generation_s"] == 0  # batch 0 generated once
+    # the resumed step 3 trained on batch 1 as stored with the checkpoint, not on a new generation
+    assert m[3]["time/generation_s"] == 0 and m[3]["reward/mean"] == m[2]["reward/mean"]
+    assert m[2]["policy/clip_fraction"] == 0  # first inner step: ratio 1
+    assert log[2]["param_checksums"][0] != log[3]["param_checksums"][0]
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     (mr,) = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
-    assert sorted(m.step for m in client.get_metric_history(mr.info.run_id, "reward/mean")) == [1, 2, 3]
+    assert sorted(m.step for m in client.get_metric_history(mr.info.run_id, "reward/mean")) == [1, 2, 3, 4]

@@ -115,3 +115,17 @@ def test_pipelines_are_swept_like_any_config(tmp_path, tiny_model_dir):
     runs = sorted((tmp_path / "out" / "order" / "runs").iterdir())
     stages = sorted(sorted(q.name for q in r.iterdir() if q.is_dir() and q.name.startswith("stage")) for r in runs)
     assert stages == [["stage1-es", "stage2-grpo"], ["stage1-grpo", "stage2-es"]]
+
+
+def test_a_grpo_stage_with_inner_iterations_consumed_one_batch_per_mu_steps(tmp_path):
+    """GRPO with mu = 2 over 5 optimizer steps generated batches 0, 1, 2: the ES stage after it starts at batch 3."""
+    cfg = config_from_dict(
+        {
+            "algorithm": "pipeline",
+            "pipeline": {"stages": ["grpo", "es"], "updates": 10, "split": [1, 1]},
+            "es": {"batch_size": 4},
+            "grpo": {"batch_size": 4, "iterations": 2},
+        }
+    )
+    (_, s1), (_, s2) = stage_configs(cfg, tmp_path / "p", None)
+    assert s1.grpo.updates == 5 and s2.run.data_before == [[3, 4]]

@@ -62,6 +62,10 @@ def test_defaults_and_builtin_quickstart_are_valid():
         ({"eval": {"samples": 0}, **BASE}, "eval.samples", "must be >= 1"),
         ({"checkpoint": {"snapshots": [0, 5]}, **BASE}, "checkpoint.snapshots", "integers >= 1"),
         ({"eval": {"tasks": ["gsm8k"]}, "backend": {"name": "vllm"}, **BASE}, "eval.tasks", "token entropy"),
+        ({"algorithm": "grpo", "grpo": {"micro_batch_size": 0, "updates": 3}}, "grpo.micro_batch_size", ">= 1"),
+        ({"algorithm": "grpo", "grpo": {"micro_batch_size": 2.5, "updates": 3}}, "grpo.micro_batch_size", "int"),
+        ({"algorithm": "grpo", "grpo": {"iterations": 0, "updates": 3}}, "grpo.iterations", "must be >= 1"),
+        ({"algorithm": "grpo", "grpo": {"iterations": None, "updates": 3}}, "grpo.iterations", "must be set"),
     ],
 )
 def test_bad_values_are_rejected_with_the_key_and_reason(data, path, words):
@@ -98,6 +102,16 @@ def test_unknown_config_name_suggests_builtin():
 def test_total_updates_from_epochs_uses_keep_tail_batches():
     cfg = config_from_dict({"es": {"epochs": 2, "batch_size": 4}})
     assert cfg.total_updates(10) == 6
+
+
+def test_grpo_budget_counts_optimizer_steps_mu_per_generated_batch():
+    """TRL: max_steps counts optimizer steps (global_step); an epoch generates every prompt once, mu steps each."""
+    cfg = config_from_dict({"algorithm": "grpo", "grpo": {"epochs": 2, "batch_size": 4, "iterations": 3}})
+    assert cfg.total_updates(10) == 6 * 3  # 2 epochs x ceil(10 / 4) batches x mu
+    cfg = config_from_dict({"algorithm": "grpo", "grpo": {"updates": 7, "iterations": 3}})
+    assert cfg.total_updates(10) == 7  # updates are optimizer steps: the last batch serves one
+    cfg = config_from_dict({"algorithm": "grpo", "grpo": {"epochs": 2, "batch_size": 4}})
+    assert cfg.total_updates(10) == 6 and cfg.grpo.iterations == 1 and cfg.grpo.micro_batch_size is None
 
 
 def test_flatten_for_mlflow_params():

@@ -73,3 +73,40 @@ def test_format_accounting_table():
     assert "N = 31.998 (32.000 on the model passes alone)" in text
     assert "G = 8.001" in text
     assert "reference forward (beta=0.04)" in format_accounting(P, B, LP, LG, beta=0.04)
+
+
+def test_grpo_flops_count_mu_backward_passes():
+    # P=10, G=2, B=3, L=9, mu=3: generation 2*10*54, old log-probs 2*10*54 (always recomputed for mu > 1),
+    # train 3 * 6*10*54, AdamW 3 * 12*10
+    f = grpo_flops(10, 2, 3, 4, 5, iterations=3)
+    assert f == {
+        "generation": 1080,
+        "old_logprobs": 1080,
+        "reference": 0,
+        "train_fwd_bwd": 3 * 3240,
+        "optimizer": 3 * 120,
+        "passes": 1080 + 1080 + 3 * 3240,
+        "total": 1080 + 1080 + 3 * 3240 + 3 * 120,
+    }
+    for mu in (1, 2, 4):
+        for beta in (0.0, 0.04):
+            want = (2 + 2 * (mu > 1) + 2 * (beta > 0) + 6 * mu) * P * 8 * B * (LP + LG) + 12 * mu * P
+            assert grpo_flops(P, 8, B, LP, LG, beta, iterations=mu)["total"] == want
+    # G = 8 at mu = 2 costs (2 + 2 + 12) / 8 = 2x the passes of mu = 1: N = 64 matches it
+    g2 = grpo_flops(P, 8, B, LP, LG, iterations=2)
+    assert match_es_population(g2["passes"], P, B, LP, LG, overhead=False) == 64.0
+    es = es_flops(P, 64, B, LP, LG)
+    assert match_grpo_group(es["total"], P, B, LP, LG, iterations=2) == pytest.approx(8, rel=1e-4)
+    assert grpo_flops(P, match_grpo_group(es["total"], P, B, LP, LG, iterations=2), B, LP, LG, iterations=2)[
+        "total"
+    ] == pytest.approx(es["total"], rel=1e-12)
+    with pytest.raises(ValueError, match="iterations"):
+        grpo_flops(P, 8, B, LP, LG, iterations=0)
+
+
+def test_format_accounting_with_mu_counts_generated_batches_per_run():
+    text = format_accounting(P, B, LP, LG, updates=300, iterations=2)
+    total = grpo_flops(P, 8, B, LP, LG, iterations=2)["total"]
+    row = next(line for line in text.splitlines() if line.startswith("GRPO") and "total" in line)
+    assert f"{total:.3e}" in row and f"{total * 150:.3e}" in row  # 300 optimizer steps = 150 generated batches
+    assert "train forward + backward (mu=2)" in text and "old log-probs " in text and "not recomputed" not in text

@@ -202,3 +202,24 @@ def test_grpo_loss_on_policy_and_kl_penalty():
     assert grpo_loss(logp, None, adv, mask, ref_logp=ref)[1]["kl"] == pytest.approx(stats["kl"])  # logged at beta=0
     with pytest.raises(ValueError, match="ref_logp"):
         grpo_loss(logp, None, adv, mask, beta=0.04)
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
+def test_aggregate_over_micro_batches_sums_to_the_whole_batch(mode):
+    """Micro-batches of 3, 3, 2 of 8 ragged sequences, each cut to its own longest, with the whole batch's
+    n_tokens, n_seqs and width: the parts sum to the unbatched value (not a mean of micro-batch means)."""
+    g = torch.Generator().manual_seed(4)
+    lens = [1, 4, 2, 6, 3, 5, 2, 5]
+    per_token = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1] * n + [0] * (6 - n) for n in lens])
+    whole = aggregate(per_token, mask, mode)
+    norm = {"n_tokens": mask.sum(), "n_seqs": 8, "max_len": 6}
+    parts = []
+    for sl in (slice(0, 3), slice(3, 6), slice(6, 8)):
+        w = max(lens[sl])
+        parts.append(aggregate(per_token[sl, :w], mask[sl, :w], mode, **norm))
+    assert float(sum(parts)) == pytest.approx(float(whole), rel=1e-12)
+    means = [aggregate(per_token[sl], mask[sl], mode) for sl in (slice(0, 3), slice(3, 6), slice(6, 8))]
+    assert float(sum(means) / 3) != pytest.approx(float(whole), rel=1e-3)  # the mean of means is not it
+    with pytest.raises(ValueError, match="n_seqs" if mode != "token_mean" else "n_tokens"):
+        aggregate(per_token, mask, mode, **({"n_seqs": 8} if mode == "token_mean" else {"n_tokens": 5}))
