@@ -335,6 +335,20 @@ def _figure(n: int) -> tuple[Any, Any]:
     return fig, list(axes.flat)
 
 
+def _save(fig: Any, axes: list[Any], title: str, png: Path) -> Path:
+    """One legend for every panel (taken from the first) under them, the title, and the PNG."""
+    import matplotlib.pyplot as plt
+
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.06 + 0.03 * (len(labels) // 4), 1, 1))
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def _styles(es: EvalSet) -> tuple[dict[Any, str], dict[Any, str]]:
     """A colour per method and a marker per model, in the sweep's order."""
     import matplotlib.pyplot as plt
@@ -350,7 +364,6 @@ def _styles(es: EvalSet) -> tuple[dict[Any, str], dict[Any, str]]:
 
 def write_pareto(es: EvalSet, a: Any, out_dir: Path) -> Any:
     """Figure 3: x = Pass@1, y = Pass@K, one point per (method, model), per task and for the held-out average."""
-    import matplotlib.pyplot as plt
 
     tasks, held = es.tasks_of(a)
     panels = [*tasks, AVG]
@@ -379,21 +392,13 @@ def write_pareto(es: EvalSet, a: Any, out_dir: Path) -> Any:
             )
         ax.set(title=t + (" (train)" if t == es.train_task else ""), xlabel=f"{a.x} (%)", ylabel=f"{a.y} (%)")
         ax.grid(alpha=0.3)
-    handles, labels = next(iter(axes)).get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
-    fig.suptitle(f"{a.name}: {a.x} vs {a.y} (up and right is better)", fontsize=10)
-    fig.tight_layout(rect=(0, 0.06 + 0.03 * (len(labels) // 4), 1, 1))
-    png = out_dir / f"{a.name}.png"
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    png = _save(fig, axes, f"{a.name}: {a.x} vs {a.y} (up and right is better)", out_dir / f"{a.name}.png")
     body = f"![{a.name}]({png.name})\n\n*Colour = method, marker = model; {AVG} = mean over the held-out tasks.*"
     return finish(a, out_dir, f"{a.name}: {a.x} vs {a.y}", body, [png])
 
 
 def write_passk(es: EvalSet, a: Any, out_dir: Path) -> Any:
     """Pass@K for K = 1..n per task: one line per (method, model), markers at every K."""
-    import matplotlib.pyplot as plt
 
     tasks, _ = es.tasks_of(a)
     fig, axes = _figure(len(tasks))
@@ -421,14 +426,7 @@ def write_passk(es: EvalSet, a: Any, out_dir: Path) -> Any:
         ax.set_xscale("log", base=2)
         ax.set(title=t + (" (train)" if t == es.train_task else ""), xlabel="K", ylabel="Pass@K (%)")
         ax.grid(alpha=0.3)
-    handles, labels = next(iter(axes)).get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
-    fig.suptitle(f"{a.name}: unbiased Pass@K profiles", fontsize=10)
-    fig.tight_layout(rect=(0, 0.06 + 0.03 * (len(labels) // 4), 1, 1))
-    png = out_dir / f"{a.name}.png"
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    png = _save(fig, axes, f"{a.name}: unbiased Pass@K profiles", out_dir / f"{a.name}.png")
     csv_path = write_csv(out_dir / f"{a.name}.csv", ["model", "method", "task", "k", "pass_at_k", "problems"], rows)
     body = f"![{a.name}]({png.name})\n\n*Unbiased Pass@K (Chen et al. 2021) averaged over problems, K = 1..n.*"
     return finish(a, out_dir, f"{a.name}: Pass@K profiles", body, [png, csv_path])

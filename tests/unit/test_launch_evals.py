@@ -58,3 +58,14 @@ def test_arrays_split_past_the_array_size_keep_their_evals_aligned(recorded):
         ("esbatch-s", ["r3"], None),
         ("esbatch-s-eval", ["ev-r3"], "afterok:102"),
     ]
+
+
+def test_eval_progress_counts_complete_lines_only(tmp_path):
+    """What `esbatch status` shows for an eval: problems whose line was completed (a killed eval's torn tail
+    is not a problem evaluated)."""
+    from esbatch.launch.evals import eval_progress
+
+    (tmp_path / "samples").mkdir()
+    (tmp_path / "samples" / "A.jsonl").write_text('{"i": 0}\n{"i": 1}\n{"i": 2')
+    (tmp_path / "samples" / "B.jsonl").write_text('{"i": 0}\n')
+    assert eval_progress(tmp_path) == 3 and eval_progress(tmp_path / "absent") == 0
