@@ -224,8 +224,8 @@ def load_model_and_tokenizer(
 
 
 def load_weights(model: Any, state: dict[str, Any] | str | Path, source: str = "") -> None:
-    """Copy fp32 weights (a state dict, or a .safetensors file such as a run's center) into ``model``'s
-    parameters in their own dtype; both must name the same parameters."""
+    """Copy weights (a state dict, or a .safetensors file such as a run's center: fp32, or the compute dtype of an
+    es.restore: inplace run) into ``model``'s parameters in their own dtype; both must name the same parameters."""
     import torch
 
     if not isinstance(state, dict):

@@ -39,7 +39,7 @@ class Generation:
 
 @dataclass
 class UpdateStats:
-    update_l2: float  # ||theta_{t+1} - theta_t|| of the fp32 center
+    update_l2: float  # ||theta_{t+1} - theta_t|| of the fp32 center (es.restore inplace: of the step added)
     changed_fraction: float  # elements whose compute-dtype value actually changed
     rel_distance: float | None = None  # ||theta_t - theta_0|| / ||theta_0||, when tracked
     extra: dict[str, float] = field(default_factory=dict)
@@ -78,7 +78,13 @@ class Generator(ABC):
 
 
 class ESBackend(Generator):
-    """A generator whose weights follow an fp32 center that ES perturbs, restores and updates in place."""
+    """A generator whose weights follow an fp32 center that ES perturbs, restores and updates in place.
+
+    ``restore_mode`` "inplace" (es.restore; the HF backend only): no fp32 center, the live weights are moved in
+    place in their compute dtype, so restore() returns them only up to round-off (esbatch/perturb/inplace.py).
+    """
+
+    restore_mode: str = "exact"
 
     @classmethod
     @abstractmethod
@@ -127,7 +133,7 @@ class ESBackend(Generator):
 
     @abstractmethod
     def restore(self) -> None:
-        """Put the center back, bit for bit."""
+        """Put the center back: bit for bit (exact), or by subtracting the perturbation (inplace)."""
 
     @abstractmethod
     def update(self, spec: UpdateSpec) -> UpdateStats:
@@ -135,7 +141,7 @@ class ESBackend(Generator):
 
     @abstractmethod
     def center_state_dict(self) -> dict[str, torch.Tensor]:
-        """A detached fp32 copy of the center, keyed by HF parameter names."""
+        """A detached copy of the center keyed by HF parameter names: fp32 (exact), the compute dtype (inplace)."""
 
     @abstractmethod
     def load_center(self, state: dict[str, torch.Tensor]) -> None:

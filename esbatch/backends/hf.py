@@ -1,6 +1,8 @@
 """HF transformers backend: batched sampling with a KV cache and left padding; in-place weight moves.
 
-The parameters follow an fp32 center (``self.master``) with exact restore: esbatch/perturb/centered.py.
+The parameters follow an fp32 center (``self.master``) with exact restore (esbatch/perturb/centered.py), or,
+with ``es.restore: inplace``, are perturbed, restored and updated in place in the compute dtype as the paper
+does (esbatch/perturb/inplace.py; no master).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 import torch
 
 from esbatch.backends.base import ESBackend, Generation, Generator, SamplingParams, UpdateStats
-from esbatch.perturb.centered import CenteredWeights
+from esbatch.perturb import weights_for
 from esbatch.perturb.update import UpdateSpec
 
 
@@ -112,12 +114,16 @@ class _EntropyMeter:
 
 
 class HFBackend(HFGenerator, ESBackend):
-    """One HF model whose parameters follow an fp32 center (esbatch/perturb/centered.py)."""
+    """One HF model whose parameters ES moves: CenteredWeights (fp32 center, exact restore) or InplaceWeights
+    (in place in the compute dtype), by ``restore`` (es.restore)."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 64, track_drift: bool = True) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, *, batch_size: int = 64, track_drift: bool = True, restore: str = "exact"
+    ) -> None:
         super().__init__(model, tokenizer, batch_size=batch_size)
-        self.weights = CenteredWeights(dict(model.named_parameters()), track_drift)  # tied weights once
+        self.weights = weights_for(dict(model.named_parameters()), restore, track_drift)  # tied weights once
         self.params, self.master, self.theta0 = self.weights.live, self.weights.master, self.weights.theta0
+        self.restore_mode = restore
 
     @classmethod
     def for_es(cls, cfg: Any) -> HFBackend:
@@ -125,7 +131,9 @@ class HFBackend(HFGenerator, ESBackend):
 
         m = cfg.model
         model, tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, m.dtype, m.device)
-        backend = cls(model, tok, batch_size=cfg.generation.batch_size, track_drift=cfg.tracking.drift)
+        backend = cls(
+            model, tok, batch_size=cfg.generation.batch_size, track_drift=cfg.tracking.drift, restore=cfg.es.restore
+        )
         if m.init_weights:  # an earlier stage's weights; theta_0 (drift) stays the base model
             from safetensors.torch import load_file
 
@@ -164,7 +172,7 @@ class HFBackend(HFGenerator, ESBackend):
         return self.weights.checksum()
 
     def center_state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: t.clone() for n, t in self.master.items()}
+        return self.weights.state_dict()
 
     def load_center(self, state: dict[str, torch.Tensor]) -> None:
         self.weights.load(state)

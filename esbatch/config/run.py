@@ -95,11 +95,14 @@ class ModelConfig:
     device: str = setting("auto", "Where the live weights sit: auto (cuda if available), cpu, cuda, cuda:N.")
     dtype: str = setting(
         "float32",
-        "Compute dtype of the live weights. With bfloat16/float16 an fp32 master copy keeps small updates.",
+        "Compute dtype of the live weights. With bfloat16/float16 an fp32 master copy keeps small updates "
+        "(es.restore: exact; inplace moves the weights in this dtype).",
         choices=("float32", "bfloat16", "float16"),
     )
     init_weights: str | None = setting(
-        None, "Start from these fp32 weights (center.safetensors of an earlier run or pipeline stage)."
+        None,
+        "Start from these weights (center.safetensors of an earlier run or pipeline stage: fp32, or the compute "
+        "dtype for es.restore: inplace).",
     )
 
 
@@ -133,7 +136,12 @@ class RewardConfig:
 class ESConfig:
     population_size: int = setting(8, "N: evaluations per update (antithetic: N/2 +/- pairs).", ge=2)
     sigma: float = setting(1e-3, "Perturbation scale sigma.", gt=0.0)
-    alpha: float = setting(5e-4, "Center-update scale alpha in theta += alpha/N sum z_i eps_i.", gt=0.0)
+    alpha: float = setting(
+        5e-4,
+        "Center-update scale alpha in theta += alpha/N sum z_i eps_i. 0 = no update (a control: with "
+        "restore: inplace the weights then move by perturb/restore round-off alone).",
+        ge=0.0,
+    )
     normalization: str = setting(
         "zscore", "Reward normalization across the population.", choices=("zscore", "none", "centered_rank")
     )
@@ -150,6 +158,17 @@ class ESConfig:
         choices=("independent", "antithetic_pairs", "population"),
     )
     batch_size: int = setting(16, "B: prompts in the shared mini-batch of each update.", ge=1)
+    restore: str = setting(
+        "exact",
+        "How the weights are perturbed, restored and updated. exact: they follow an fp32 master copy of the "
+        "center (4 bytes/param): a member is center + sigma*eps computed in fp32 and rounded once, restore copies "
+        "the center back bit for bit, the update is accumulated in fp32. inplace: the paper's implementation (App. "
+        "G.1): add sigma*eps to the weights in place in the compute dtype (model.dtype), subtract the same "
+        "sigma*eps to restore, and add the update in the compute dtype too; no master copy, and the round-off of "
+        "every perturb/restore cycle stays in the weights (resume replays the cycles). inplace needs backend.name: "
+        "hf in one process (run.nproc_per_node: 1).",
+        choices=("exact", "inplace"),
+    )
     updates: int | None = setting(None, "Training budget in updates (set this or `epochs`).", ge=1)
     epochs: float | None = setting(None, "Training budget in epochs over the training split.", gt=0.0)
 
@@ -329,7 +348,12 @@ def update_list(v: Any) -> list[int]:
 
 @dataclass
 class CheckpointConfig:
-    every: int = setting(10, "Save the fp32 center every k updates; updates since are replayed from the log.", ge=1)
+    every: int = setting(
+        10,
+        "Save the center every k updates (fp32; es.restore: inplace, the live compute-dtype weights); updates "
+        "since are replayed from the log.",
+        ge=1,
+    )
     snapshots: list = setting(
         [],
         "Also keep the center after these updates as snapshots/center-<T>.safetensors (evaluable with `esbatch "
@@ -425,11 +449,30 @@ class TrainConfig(Schema):
                 f"backend.engines: {self.backend.engines} engines need backend.name: vllm (the {self.backend.name} "
                 "backend holds one model); to split the population over processes set run.nproc_per_node instead"
             )
+        restore_errors(self, errors)
         why = BACKENDS.problem(self.backend.name)
         if why:
             errors.append(f"backend.name: {why}")
         elif self.eval.tasks and (why := BACKENDS.unsupported(self.backend.name, "eval")):
             errors.append(f"eval.tasks: backend.name {self.backend.name} cannot serve in-training evaluations: {why}")
+
+
+def restore_errors(cfg: TrainConfig, errors: list[str]) -> None:
+    """es.restore: inplace only where every weight change happens in one process (see its help)."""
+    trains_es = cfg.algorithm == "es" or (cfg.algorithm == "pipeline" and "es" in cfg.pipeline.stages)
+    if not trains_es or cfg.es.restore != "inplace":
+        return
+    if cfg.backend.name != "hf":
+        errors.append(
+            f"es.restore: inplace runs on backend.name: hf only (got {cfg.backend.name}): the {cfg.backend.name} "
+            "engines keep an fp32 center. Use backend.name: hf, or es.restore: exact"
+        )
+    if cfg.run.nproc_per_node > 1:
+        errors.append(
+            f"es.restore: inplace needs one process (got run.nproc_per_node: {cfg.run.nproc_per_node}): each rank "
+            "would carry the round-off of only the members it evaluated, and the ranks' centers would drift apart. "
+            "Use run.nproc_per_node: 1, or es.restore: exact"
+        )
 
 
 def model_errors(model: ModelConfig, errors: list[str]) -> None:

@@ -6,6 +6,8 @@ theta += alpha/N sum_i z_i eps_i -> the record (seeds, rewards, weights, metrics
 log.jsonl. The rest of a run (folder, MLflow, checkpoints, held-out scores, resume) is
 esbatch/train/lifecycle.py. The ES state is theta_0 plus the log: resume loads the newest center
 checkpoint and replays the logged updates after it (no generation), so a killed run ends bit-identical.
+With es.restore: inplace the weights also carry every perturb/restore round-off, so replay redoes each
+update's perturb/restore cycles (members in logged order, their seeds and signed scales) before the update.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def es_step(cfg: Any, backend: ESBackend, probs: Problems, t: int, ranks: Ranks 
         "seeds": [m.seed for m in members],
         "signs": [m.sign for m in members],
         "gen_seeds": [m.gen_seed for m in members],
+        "sigma": es.sigma,  # with signs: each member's scale, which replay needs under es.restore: inplace
         "rewards": rewards,
         "z": z.tolist(),
         **spec.to_dict(),
@@ -103,9 +106,31 @@ def _flops(backend: ESBackend, prompts: list[str], gen_tokens: int, n: int) -> d
 
 
 def replay(backend: ESBackend, records: list[dict[str, Any]]) -> None:
-    """Re-apply logged updates to the center: same seeds, same weights, same arithmetic -> same bits."""
+    """Re-apply logged updates to the center: same seeds, same weights, same arithmetic -> same bits.
+
+    In-place backends (es.restore: inplace) first redo the update's perturb/restore cycles, member by member in
+    the order es_step evaluated them (one process: the logged order), since their round-off is part of the center.
+    """
+    cycles = backend.restore_mode == "inplace"
     for r in records:
+        if cycles:
+            if "sigma" not in r:
+                raise ValueError(
+                    f"log.jsonl: update {r.get('t')} records no sigma, which replaying es.restore: inplace needs "
+                    "(each member's scale is sign * sigma); this log was not written by an inplace run"
+                )
+            for seed, sign in zip(r["seeds"], r["signs"]):
+                backend.perturb(seed, sign * r["sigma"])
+                backend.restore()
         backend.update(UpdateSpec.from_record(r))
+
+
+def inplace_ranks_error(world: int) -> str:
+    return (
+        f"es.restore: inplace cannot run over {world} processes: every rank would carry the round-off of only the "
+        "members it evaluated, so the ranks' centers would drift apart (the rank checksum would stop the run). Use "
+        "one process (run.nproc_per_node: 1, nodes: 1, ntasks_per_node: 1) or es.restore: exact."
+    )
 
 
 class ESTrainer(Trainer):
@@ -115,6 +140,8 @@ class ESTrainer(Trainer):
         self.cfg, self.rd, self.ranks = cfg, rd, ranks
 
     def setup(self) -> int:
+        if self.cfg.es.restore == "inplace" and self.ranks.world > 1:
+            raise ValueError(inplace_ranks_error(self.ranks.world))
         self.backend = BACKENDS.get(self.cfg.backend.name).for_es(self.cfg)
         self.probs = load_problems(self.cfg, self.backend)
         return self.cfg.total_updates(len(self.probs.train))

@@ -4,8 +4,9 @@
 views into a vLLM engine's fused tensors, esbatch/backends/layout.py). The center lives in an fp32 copy,
 so restore() is an exact copy, a perturbation is computed in fp32 and rounded once, and the update is
 accumulated in fp32 (esbatch/perturb/update.py). Cost: one fp32 copy of the parameters (4 bytes/param), plus one
-for theta_0 when drift is tracked. In-place add/subtract would need no copy but does not restore exactly
-(8% of SmolLM2 fp32 elements off after one cycle at sigma=0.01, measured).
+for theta_0 when drift is tracked. This is ``es.restore: exact`` (the default). In-place add/subtract, the
+paper's implementation, needs no copy but does not restore exactly (8% of SmolLM2 fp32 elements off after one
+cycle at sigma=0.01, measured): ``es.restore: inplace``, esbatch/perturb/inplace.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from esbatch.perturb.update import UpdateSpec, es_update
 
 
 class CenteredWeights:
+    restore_mode = "exact"
+
     def __init__(self, live: Mapping[str, torch.Tensor], track_drift: bool = True) -> None:
         self.live = dict(live)
         self.master = {n: t.detach().to(torch.float32, copy=True) for n, t in self.live.items()}
@@ -67,6 +70,10 @@ class CenteredWeights:
             self.master[name].copy_(t)
             self.live[name].copy_(self.master[name])
         self.perturbed = False
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """A detached copy of the fp32 center (what center.safetensors holds in this mode)."""
+        return {n: t.clone() for n, t in self.master.items()}
 
     def rel_distance(self) -> float | None:
         """||theta_t - theta_0|| / ||theta_0|| when drift is tracked."""

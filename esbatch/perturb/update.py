@@ -1,4 +1,5 @@
-"""The ES center update (paper App. G.1) and the one object that carries its settings."""
+"""The ES center update (paper App. G.1) and the one object that carries its settings: es_update on the fp32
+center (es.restore: exact), es_update_inplace on the live compute-dtype weights (es.restore: inplace)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,35 @@ def es_update(center: Mapping[str, torch.Tensor], spec: UpdateSpec) -> float:
         theta.add_(acc.to(theta.device))
         sq += float(torch.linalg.vector_norm(acc, dtype=torch.float64)) ** 2  # no float64 copy of the tensor
     return sq**0.5
+
+
+@torch.no_grad()
+def es_update_inplace(live: Mapping[str, torch.Tensor], spec: UpdateSpec) -> tuple[float, float]:
+    r"""The same ES step computed and added in place in each tensor's own (compute) dtype, as the paper's
+    implementation does (App. G.1, "update every engine locally by theta_{t+1} = theta_t + alpha/N sum_i z_i
+    eps_i"; ``es.restore: inplace``). Returns (L2 of the step added, fraction of elements whose value changed).
+
+    Per tensor p, every operation rounded to p's dtype, in this order:
+
+        acc  = 0
+        acc  = acc + w_i * eps_i        for each direction i in logged order with w_i != 0
+                                        (eps_i rounded to the dtype, the product rounded, then the sum)
+        step = acc * (alpha / N)        alpha / N is one Python float: one rounding, not divide-then-scale
+        p    = p + step
+
+    Unlike es_update, a step below half an ulp of p is lost, which is the paper's behaviour in bfloat16.
+    """
+    sq = 0.0
+    changed = total = 0
+    for name, p in live.items():
+        acc = torch.zeros_like(p)
+        for seed, w in zip(spec.seeds, spec.weights):
+            if w != 0.0:
+                acc.add_(direction(seed, name, p.shape).to(device=p.device, dtype=p.dtype).mul_(w))
+        step = acc.mul_(spec.alpha / spec.n)
+        new = p + step  # what p.add_(step) stores, kept apart one tensor at a time to count changed elements
+        changed += int((new != p).sum())
+        total += p.numel()
+        p.copy_(new)
+        sq += float(torch.linalg.vector_norm(step, dtype=torch.float64)) ** 2
+    return sq**0.5, changed / total

@@ -65,7 +65,8 @@ class Trainer(ABC):
         return None
 
     def center_state(self) -> dict[str, Any]:
-        """A detached fp32 copy of the current weights under HF names (``checkpoint.snapshots``, rank 0 only)."""
+        """A detached copy of the current weights under HF names (``checkpoint.snapshots``, rank 0 only): fp32, or
+        the compute dtype for ES with es.restore: inplace."""
         raise NotImplementedError(f"{type(self).__name__} cannot keep snapshots")
 
     @property

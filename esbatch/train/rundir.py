@@ -3,7 +3,8 @@
     config.yaml           the resolved config
     log.jsonl             one line per finished update (ES: seeds, rewards, weights; every algorithm: metrics)
     eval.jsonl            held-out scores of the weights after update t
-    center.safetensors    fp32 weights after update t (t in its metadata), written atomically
+    center.safetensors    the center after update t (t in its metadata), written atomically: fp32, or with
+                          es.restore: inplace the live compute-dtype weights (no fp32 master exists)
     snapshots/            center-<T>.safetensors: the center after update T, same format (checkpoint.snapshots,
                           or rebuilt from the log by `esbatch center RUN --at T`)
     run.json              status, algorithm, budget, progress, MLflow run id and tracking URI
@@ -243,7 +244,7 @@ class RunDir:
 
     # ---------------------------------------------------------------- center checkpoint
     def save_center(self, state: dict[str, torch.Tensor], t: int, path: Path | None = None) -> None:
-        """Atomically write the fp32 center after ``t`` updates (to ``path``, default center.safetensors)."""
+        """Atomically write the center after ``t`` updates (to ``path``, default center.safetensors)."""
         from safetensors.torch import save_file
 
         path = path or self.center

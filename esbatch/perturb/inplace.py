@@ -1,0 +1,107 @@
+"""Live weights moved in place in their compute dtype, as the paper's implementation does (``es.restore: inplace``).
+
+Paper App. G.1: "add sigma*eps_i to every model parameter in place, generate ..., and then subtract the same
+seeded perturbation to restore the center", and the update theta += alpha/N sum_i z_i eps_i is applied to
+every engine's weights locally. Here, per tensor p (HF name ``name``) in its own dtype:
+
+    perturb(seed, s):  d = round(s * round(eps(seed, name)))      eps: esbatch/perturb/noise.py, cast to p's dtype
+                       p <- round(p + d)
+    restore():         p <- round(p - d)                          the same d, rebuilt from (seed, name)
+    update(spec):      esbatch/perturb/update.py:es_update_inplace
+
+``round`` is the compute dtype's rounding after each operation. round(round(p + d) - d) is not p in general, so
+every perturb/restore cycle leaves its round-off in the weights (in bfloat16 most elements move after a few
+dozen cycles: benchmarks/inplace_roundoff.py) and the center depends on every cycle since theta_0. Resume
+therefore replays each logged update's cycles before its update (esbatch/es/trainer.py:replay).
+
+There is no fp32 master (it saves 4 bytes/param); theta_0 is still kept in fp32 when drift is tracked. The
+exact alternative, and the default, is esbatch/perturb/centered.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from esbatch.models import checksum
+from esbatch.perturb.centered import norm
+from esbatch.perturb.noise import direction
+from esbatch.perturb.update import UpdateSpec, es_update_inplace
+
+
+class InplaceWeights:
+    restore_mode = "inplace"
+    master = None  # no fp32 copy of the center in this mode: the live weights are the center
+
+    def __init__(self, live: Mapping[str, torch.Tensor], track_drift: bool = True) -> None:
+        self.live = dict(live)
+        self.theta0: dict[str, torch.Tensor] | None = None  # theta_0 in fp32, for drift
+        if track_drift:
+            self.theta0 = {n: t.detach().to(torch.float32, copy=True) for n, t in self.live.items()}
+        self._theta0_norm = norm(self.theta0.values()) if self.theta0 else None
+        self._member: tuple[int, float] | None = None  # (seed, scale) of the perturbation in the weights
+
+    @property
+    def perturbed(self) -> bool:
+        return self._member is not None
+
+    @torch.no_grad()
+    def perturb(self, seed: int, scale: float) -> None:
+        """live <- live + scale * eps(seed), in place in the compute dtype."""
+        if self._member is not None:
+            raise RuntimeError("perturb() called on perturbed weights: restore first")
+        self._member = (seed, scale)
+        for name, p in self.live.items():
+            p.add_(_delta(seed, scale, name, p))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """live <- live - scale * eps(seed) with the perturbation's own (seed, scale): the center up to round-off."""
+        if self._member is None:
+            return
+        seed, scale = self._member
+        for name, p in self.live.items():
+            p.sub_(_delta(seed, scale, name, p))
+        self._member = None
+
+    @torch.no_grad()
+    def update(self, spec: UpdateSpec) -> tuple[float, float]:
+        """The ES step in the compute dtype (es_update_inplace); (L2 of the step added, fraction of elements
+        whose value changed)."""
+        if self._member is not None:
+            raise RuntimeError("update() called on perturbed weights: restore first")
+        return es_update_inplace(self.live, spec)
+
+    @torch.no_grad()
+    def load(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Replace the center: a checkpoint of this mode holds the compute-dtype weights and loads bit for bit
+        (fp32 weights, e.g. an exact run's center as model.init_weights, are rounded once)."""
+        if diff := set(self.live) ^ set(state):
+            raise KeyError(f"checkpoint and model disagree on parameters: {sorted(diff)[:5]}")
+        for name, t in state.items():
+            self.live[name].copy_(t)
+        self._member = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """A detached copy of the center in the compute dtype (what center.safetensors holds in this mode)."""
+        return {n: p.detach().clone() for n, p in self.live.items()}
+
+    def rel_distance(self) -> float | None:
+        """||theta_t - theta_0|| / ||theta_0|| when drift is tracked."""
+        if self.theta0 is None:
+            return None
+        return norm(self.live[n].float() - t0 for n, t0 in self.theta0.items()) / self._theta0_norm
+
+    def checksum(self) -> float:
+        return checksum(self.live)
+
+    def memory_report(self) -> dict[str, float]:
+        model_bytes = sum(p.numel() * p.element_size() for p in self.live.values())
+        theta0_bytes = sum(t.numel() * 4 for t in self.theta0.values()) if self.theta0 is not None else 0
+        return {"model_bytes": model_bytes, "master_bytes": 0, "theta0_bytes": theta0_bytes}
+
+
+def _delta(seed: int, scale: float, name: str, p: torch.Tensor) -> torch.Tensor:
+    """scale * eps(seed, name) in p's dtype and device: eps rounded to the dtype, then the product rounded."""
+    return direction(seed, name, p.shape).to(device=p.device, dtype=p.dtype).mul_(scale)
