@@ -452,6 +452,12 @@ def cmd_diagnose_kappa(args: argparse.Namespace) -> int:
             f"backend.name: {cfg.backend.name} cannot run objectives {', '.join(sorted(scoring))} (they score tokens "
             "with the model's logits); use --set backend.name=hf, or --objectives regenerated"
         )
+    if "regenerated" in proto.objectives and cfg.backend.name == "hf" and proto.prompts > cfg.generation.batch_size:
+        errors.append(
+            f"--prompts {proto.prompts} > generation.batch_size {cfg.generation.batch_size}: the hf backend seeds "
+            "once per generate call, so common seeds couple the three points only when all prompts share one call; "
+            "raise generation.batch_size or lower --prompts"
+        )
     why = BACKENDS.unsupported(cfg.backend.name, "es")
     if why:
         errors.append(f"backend.name: {cfg.backend.name} cannot perturb weights: {why}")

@@ -97,6 +97,9 @@ def plot(table: list[dict[str, object]], cells: list[Cell], path: Path) -> Path:
         ax.set_xlabel("sigma")
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
+    zeros = sum(1 for r in table for k in ("kappa_base", "kappa_pair") if float(r[k]) == 0.0)
+    if zeros:  # identical evaluations at the three points: exactly 0, which log axes cannot show
+        fig.text(0.5, 0.01, f"{zeros} ratio(s) exactly 0 (identical evaluations) not drawn; see kappa.csv", ha="center")
     axes[0].set_ylabel("variance ratio (below 1: subtraction helps)")
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:

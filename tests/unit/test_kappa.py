@@ -259,7 +259,8 @@ def test_diagnose_kappa_end_to_end_on_the_tiny_model(tmp_path, tiny_model_dir, c
         (["--objectives", "reward"], "--objectives: unknown 'reward'; valid: regenerated, sst2-ce, fixed"),
         (["--supervised-data", "/nope.jsonl"], "--supervised-data /nope.jsonl: no such file"),
         (["--set", "backend.name=vllm"], "backend.name: vllm cannot run objectives fixed, sst2-ce"),
-        (["--prompts", "500", "--objectives", "regenerated"], "needs 500 prompts"),
+        (["--prompts", "500", "--objectives", "regenerated"], "--prompts 500 > generation.batch_size 8"),
+        (["--prompts", "8", "--set", "task.params.size=5", "--objectives", "regenerated"], "needs 8 prompts"),
     ],
 )
 def test_diagnose_kappa_bad_input_exits_2(tmp_path, tiny_model_dir, capsys, extra, msg):
