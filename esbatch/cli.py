@@ -1,5 +1,5 @@
 """The `esbatch` command line: train, sweep, status, cancel, aggregate, eval, center, eval-plot, flops, validate, ls,
-plot."""
+plot, diagnose."""
 
 from __future__ import annotations
 
@@ -414,6 +414,85 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- diagnostics
+
+
+def cmd_diagnose_kappa(args: argparse.Namespace) -> int:
+    """Appendix E's local subtraction diagnostic (kappa_base, kappa_pair) for a run config's model and task."""
+    import dataclasses
+    import json
+
+    from esbatch.backends import BACKENDS
+    from esbatch.config import load_config
+    from esbatch.diagnose.protocol import KappaProtocol, planned_evaluations, run_kappa
+
+    cfg = load_config(args.config, args.overrides)
+    proto = KappaProtocol(
+        sigmas=args.sigmas,
+        objectives=args.objectives,
+        seed_modes=args.seed_modes,
+        prompts=args.prompts,
+        seeds=args.seeds,
+        directions=args.directions,
+        fixed_prompts=args.fixed_prompts,
+        fixed_seeds=args.fixed_seeds,
+        fixed_directions=args.fixed_directions,
+        sst2_examples=args.sst2_examples,
+        sst2_directions=args.sst2_directions,
+        supervised_task=args.supervised_task,
+        supervised_data=args.supervised_data,
+        score_batch_size=args.score_batch_size,
+    )
+    errors = proto.errors()
+    if proto.supervised_data and not Path(proto.supervised_data).is_file():
+        errors.append(f"--supervised-data {proto.supervised_data}: no such file (give a jsonl/json/parquet/csv file)")
+    scoring = {"sst2-ce", "fixed"} & set(proto.objectives)
+    if scoring and cfg.backend.name != "hf":
+        errors.append(
+            f"backend.name: {cfg.backend.name} cannot run objectives {', '.join(sorted(scoring))} (they score tokens "
+            "with the model's logits); use --set backend.name=hf, or --objectives regenerated"
+        )
+    if "regenerated" in proto.objectives and cfg.backend.name == "hf" and proto.prompts > cfg.generation.batch_size:
+        errors.append(
+            f"--prompts {proto.prompts} > generation.batch_size {cfg.generation.batch_size}: the hf backend seeds "
+            "once per generate call, so common seeds couple the three points only when all prompts share one call; "
+            "raise generation.batch_size or lower --prompts"
+        )
+    why = BACKENDS.unsupported(cfg.backend.name, "es")
+    if why:
+        errors.append(f"backend.name: {cfg.backend.name} cannot perturb weights: {why}")
+    if errors:
+        return _err("diagnose kappa: " + "; ".join(errors))
+    out = Path(args.out or Path("esbatch-diagnose") / f"kappa-{cfg.run.name}")
+    from tqdm.auto import tqdm
+
+    if cfg.run.threads:
+        import torch
+
+        torch.set_num_threads(cfg.run.threads)
+    print(
+        f"esbatch {esbatch.__version__}: kappa diagnostic of {cfg.model.name} ({cfg.model.dtype}) -> {out}",
+        file=sys.stderr,
+    )
+    backend = BACKENDS.get(cfg.backend.name).for_es(cfg)
+    bar = tqdm(total=planned_evaluations(cfg, proto), desc="kappa", unit="eval", disable=args.no_progress)
+    try:
+        cells = run_kappa(cfg, proto, backend, tick=bar.update)
+    except ValueError as e:  # the data did not fit the protocol (too few rows, a malformed file)
+        return _err(f"diagnose kappa: {e}")
+    finally:
+        bar.close()
+        backend.close()
+    from esbatch.diagnose.report import write_outputs
+
+    paths = write_outputs(cells, out)
+    (out / "config.yaml").write_text(cfg.to_yaml())
+    (out / "protocol.json").write_text(json.dumps(dataclasses.asdict(proto), indent=2) + "\n")
+    print(paths["md"].read_text())
+    print(f"diagnostic folder: {out}  (kappa.csv, kappa.md, kappa.png, observations.csv)")
+    return 0
+
+
 # ----------------------------------------------------------------------------- the parser
 
 
@@ -516,11 +595,61 @@ def _config_commands(sub: Any) -> None:
     ls.set_defaults(func=cmd_ls)
 
 
+def _diagnose_commands(sub: Any) -> None:
+    from esbatch.diagnose.protocol import OBJECTIVES, SEED_MODES, KappaProtocol
+
+    d = KappaProtocol()
+    dg = sub.add_parser("diagnose", help="estimator diagnostics around a checkpoint (kappa: paper App. E)")
+    dsub = dg.add_subparsers(dest="diagnostic", metavar="DIAGNOSTIC", required=True)
+    k = dsub.add_parser(
+        "kappa",
+        help="App. E local subtraction diagnostic: kappa_base and kappa_pair per objective and sigma",
+        description="Evaluate objectives at theta + sigma eps, theta, theta - sigma eps and report "
+        "kappa_base = Var[J+ - J0]/Var[J+] and kappa_pair = Var[J+ - J-]/Var[J+] (paper App. E, Table 13). "
+        "Defaults are Table 13's protocol.",
+    )
+    k.add_argument("config", help="run config (model, backend, task, generation, reward, grpo) or built-in name")
+    k.add_argument(
+        "--sigmas", type=float, nargs="+", default=d.sigmas, help="perturbation scales (default: %(default)s)"
+    )
+    k.add_argument("--objectives", nargs="+", default=d.objectives, metavar="OBJ", help=f"of {', '.join(OBJECTIVES)}")
+    k.add_argument(
+        "--seed-modes", nargs="+", default=d.seed_modes, metavar="MODE", help=f"regenerated: {', '.join(SEED_MODES)}"
+    )
+    k.add_argument("--prompts", type=int, default=d.prompts, help="regenerated: prompts (default: %(default)s)")
+    k.add_argument("--seeds", type=int, default=d.seeds, help="regenerated: generation seeds (default: %(default)s)")
+    k.add_argument(
+        "--directions", type=int, default=d.directions, help="regenerated: directions (default: %(default)s)"
+    )
+    k.add_argument("--fixed-prompts", type=int, default=d.fixed_prompts, help="fixed: prompts (default: %(default)s)")
+    k.add_argument(
+        "--fixed-seeds", type=int, default=d.fixed_seeds, help="fixed: rollouts per prompt (default: %(default)s)"
+    )
+    k.add_argument(
+        "--fixed-directions", type=int, default=d.fixed_directions, help="fixed: directions (default: %(default)s)"
+    )
+    k.add_argument(
+        "--sst2-examples", type=int, default=d.sst2_examples, help="sst2-ce: examples (default: %(default)s)"
+    )
+    k.add_argument(
+        "--sst2-directions", type=int, default=d.sst2_directions, help="sst2-ce: directions (default: %(default)s)"
+    )
+    k.add_argument("--supervised-task", default=d.supervised_task, help="task of the CE control (default: %(default)s)")
+    k.add_argument("--supervised-data", metavar="FILE", help="local jsonl/parquet (sentence, label) instead of the hub")
+    k.add_argument(
+        "--score-batch-size", type=int, default=d.score_batch_size, help="sequences per scoring forward pass"
+    )
+    k.add_argument("-o", "--out", metavar="DIR", help="output folder (default: esbatch-diagnose/kappa-<run.name>)")
+    k.add_argument("--no-progress", action="store_true", help="no progress bar (for batch logs)")
+    _add_set(k)
+    k.set_defaults(func=cmd_diagnose_kappa)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="esbatch", description="ES and GRPO post-training for LLM reasoning.")
     p.add_argument("--version", action="version", version=f"esbatch {esbatch.__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (_training_commands, _sweep_commands, _eval_commands, _config_commands):
+    for add in (_training_commands, _sweep_commands, _eval_commands, _config_commands, _diagnose_commands):
         add(sub)
     return p
 

@@ -27,5 +27,8 @@ TASKS.register("hotpotqa", "esbatch.tasks.hotpotqa:HotpotQATask", help="HotpotQA
 TASKS.register(
     "mbpp", "esbatch.tasks.mbpp:MBPPTask", help="MBPP Python problems, asserts run in a sandbox (hub or local file)"
 )
+TASKS.register(
+    "sst2", "esbatch.tasks.sst2:SST2Task", help="SST-2 sentiment (stanfordnlp/sst2), one-word label; App. E control"
+)
 
 __all__ = ["TASKS", "SYSTEM_PROMPTS", "Example", "Task", "Verdict"]

@@ -27,6 +27,8 @@ SYSTEM_PROMPTS = {
         "outside the code block. Output exactly one Python markdown code block containing only the final solution "
         "code."
     ),
+    # ours, not G.5: the paper prints no SST-2 prompt (the App. E supervised control)
+    "sentiment": "Classify the sentiment of the sentence. Answer with one word: positive or negative.",
     "countdown": (
         "Using the given numbers, each exactly once, and only + - * / and parentheses, write an "
         "expression equal to the target. Put the final expression inside <answer> </answer> tags."

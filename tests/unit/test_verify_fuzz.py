@@ -39,6 +39,7 @@ BUILD = {  # registered name -> (task, a few of its examples)
     "commonsenseqa": lambda t: (t := t(_fixture("csqa")), t.eval_examples(2)),
     "hotpotqa": lambda t: (t := t(_fixture("hotpotqa")), t.eval_examples(2)),
     "mbpp": lambda t: (t := t(_fixture("mbpp"), timeout_s=1.0), t.eval_examples(2)),
+    "sst2": lambda t: (t := t(_fixture("sst2")), t.eval_examples(2)),
 }
 #: random examples per task: fewer where a check leaves the process (the MBPP sandbox, the math-verify worker)
 #: (the math tasks share one scorer, _MathScoring: MATH-500 gets the most)
