@@ -163,7 +163,8 @@ def _abs_delta(st: DriftStats, name: str, center: Tensors, base: Tensors, base_d
 
     if name not in base:
         raise KeyError(f"tensor {name} of the center is not in the base model's files: not the run's base model?")
-    final = center.get(name).to(torch.float32)
+    # a copy: the tensor safe_open hands out is its file mapping, which one handle shares between reads
+    final = center.get(name).to(torch.float32, copy=True)
     if as_dtype:
         final = final.to(getattr(torch, as_dtype)).to(torch.float32)
     theta0 = base.get(name).to(getattr(torch, base_dtype)).to(torch.float32)
@@ -180,7 +181,8 @@ def _scan(
     st: DriftStats, name: str, absd: Any, hist: list[int], edges_t: Any, top: tuple[Any, list], top_k: int
 ) -> tuple[Any, list[tuple[str, int]]]:
     """Count one tensor's |delta| chunk by chunk; returns the running top-k (values, (tensor, index)) merged with
-    it (a stable sort: among equal values the earlier tensor and index stay)."""
+    it (a stable sort: among equal values the earlier tensor and index come first; which of the values tied at
+    the k-th place are kept is topk's choice)."""
     import torch
 
     top_vals, top_src = top
@@ -189,6 +191,8 @@ def _scan(
             c = absd[start : start + CHUNK]
             _chunk(st, c, hist, edges_t, name)
             v, i = torch.topk(c, min(top_k, c.numel()))
+            by_index = torch.argsort(i)  # among equal values the lower index first (topk leaves ties unordered)
+            v, i = v[by_index], i[by_index]
             cand = torch.cat([top_vals, v])
             src = top_src + [(name, start + j) for j in i.tolist()]
             order = torch.sort(cand, descending=True, stable=True).indices[:top_k]
@@ -346,6 +350,7 @@ def write_outputs(s: DriftStats, folder: Path, all_stats: list[DriftStats], refe
     folder.mkdir(parents=True, exist_ok=True)
     rows = table4_rows(all_stats, reference)
     _csv(folder / "table4.csv", rows)
+    (folder / "table4.md").write_text(_md(rows))
     _csv(folder / "histogram.csv", histogram_rows(s))
     _csv(folder / "topk.csv", s.top)
     grouped = sorted(s.top_by_type_layer().items(), key=lambda kv: (-kv[1], kv[0][0], kv[0][1] or -1))
@@ -364,7 +369,7 @@ def write_outputs(s: DriftStats, folder: Path, all_stats: list[DriftStats], refe
         f"Top {len(s.top)} coordinates by |delta|, by parameter type: "
         + ", ".join(f"{k} {n}" for k, n in sorted(by_type.items(), key=lambda kv: -kv[1]))
         + " (by type and layer: topk_by_type_layer.csv, topk_heatmap.png).\n",
-        "Files: table4.csv, histogram.csv (nonzero |delta| per type, bins (low, high]), topk.csv, drift.json, "
+        "Files: table4.csv/.md, histogram.csv (nonzero |delta| per type, bins (low, high]), topk.csv, drift.json, "
         "histogram.png, topk_heatmap.png, compare.png.\n",
     ]
     (folder / "summary.md").write_text("\n".join(md))
