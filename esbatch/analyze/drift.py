@@ -411,7 +411,8 @@ def _plot_histograms(s: DriftStats, out: Path) -> None:
     ax.set_ylabel("nonzero coordinates")
     ax.set_title(f"{s.label}: |theta_final - theta_0| by parameter type")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -456,7 +457,8 @@ def _plot_compare(stats: list[DriftStats], out: Path) -> None:
     ax.set_ylabel("share of nonzero updates (%)")
     ax.set_title("|theta_final - theta_0|: runs compared")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # a run that did not move has no nonzero update to draw
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
