@@ -1,5 +1,5 @@
 """The `esbatch` command line: train, sweep, status, cancel, aggregate, eval, center, eval-plot, flops, validate, ls,
-plot, diagnose."""
+plot, analyze (drift, threshold-curve), threshold, diagnose (kappa)."""
 
 from __future__ import annotations
 
@@ -414,6 +414,114 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- diagnostics (RQ2)
+
+
+def _bad_taus(taus: list[float]) -> str | None:
+    bad = [t for t in taus if not (t > 0 and t != float("inf"))]
+    if bad:
+        return f"--tau {bad[0]:g}: thresholds must be finite numbers > 0 (|delta| in (0, tau]), e.g. --tau 1e-6 1e-5"
+    return None
+
+
+def cmd_analyze_drift(args: argparse.Namespace) -> int:
+    from esbatch.analyze.drift import analyze_drift, table4_rows
+
+    if why := _bad_taus(args.tau):
+        return _err(why)
+    if args.top_k < 1 or args.bins_per_decade < 1:
+        return _err(f"--top-k {args.top_k} / --bins-per-decade {args.bins_per_decade}: give counts >= 1")
+    done = analyze_drift(
+        args.runs,
+        args.reference,
+        taus=args.tau,
+        top_k=args.top_k,
+        per_decade=args.bins_per_decade,
+        base_dtype=args.base_dtype,
+        as_dtype=args.as_dtype,
+        mlflow=not args.no_mlflow,
+    )
+    stats = [s for _, s, _ in done]
+    ref = stats[0] if args.reference else None
+    rows = table4_rows(stats, ref)
+    cols = list(rows[0])
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(str(r[c]) for c in cols))
+    for _, s, folder in done:
+        print(f"{s.label}: max |delta| {s.max_abs:.8g} at {s.max_count} coordinate(s); files: {folder}")
+    return 0
+
+
+def cmd_threshold_curve(args: argparse.Namespace) -> int:
+    from esbatch.analyze.threshold import plot_threshold_curve
+
+    try:
+        png, table = plot_threshold_curve(args.eval_dirs, args.output, task=args.task)
+    except ValueError as e:
+        return _err(str(e))
+    print(f"{png}\n{table}")
+    return 0
+
+
+def cmd_threshold(args: argparse.Namespace) -> int:
+    import json
+
+    from esbatch.analyze.threshold import S_TAU, threshold_run
+
+    if why := _bad_taus(args.tau):
+        return _err(why)
+    for folder in threshold_run(args.run_dir, args.tau, base_dtype=args.base_dtype):
+        s = json.loads((folder / S_TAU).read_text())
+        print(
+            f"tau {s['tau']:g}: s_tau {100 * s['s_tau']:.4f}% of nonzero updates zeroed, "
+            f"{100 * s['kept_share_of_all']:.4f}% of all coordinates keep their update -> {folder}"
+        )
+    print(f"evaluate one: esbatch eval --checkpoint {folder}")
+    return 0
+
+
+def _analysis_commands(sub: Any) -> None:
+    from esbatch.models import DTYPES
+
+    an = sub.add_parser("analyze", help="diagnostics of trained weights: drift from theta_0, Figure 4's curve")
+    asub = an.add_subparsers(dest="analysis", metavar="ANALYSIS", required=True)
+    dr = asub.add_parser(
+        "drift", help="relative L2 drift, s_tau, |delta| histograms by parameter type, largest updates (Table 4)"
+    )
+    dr.add_argument("runs", nargs="+", metavar="RUN", help="run folders (ES, GRPO, a pipeline or its stage<k>-<algo>)")
+    dr.add_argument(
+        "--reference", metavar="RUN", help="run whose relative L2 distance the others are divided by (GRPO)"
+    )
+    dr.add_argument(
+        "--tau",
+        type=float,
+        nargs="+",
+        default=[1e-6, 1e-5, 1e-4, 1e-3],
+        help="thresholds of s_tau (default: %(default)s)",
+    )
+    dr.add_argument("--top-k", type=int, default=100, help="largest |delta| coordinates to locate (default 100)")
+    dr.add_argument("--bins-per-decade", type=int, default=4, help="histogram bins per power of ten (default 4)")
+    dr.add_argument(
+        "--base-dtype", choices=DTYPES, help="round theta_0 to this dtype (default: the run's model.dtype, as loaded)"
+    )
+    dr.add_argument("--as-dtype", choices=DTYPES, help="round theta_final to this dtype first (e.g. bfloat16)")
+    dr.add_argument("--no-mlflow", action="store_true", help="write the files only, log nothing to MLflow")
+    dr.set_defaults(func=cmd_analyze_drift)
+
+    tc = asub.add_parser("threshold-curve", help="Figure 4: target-task Pass@1 vs update sparsity, one line per model")
+    tc.add_argument("eval_dirs", nargs="+", metavar="EVAL_DIR", help="evals of thresholded checkpoints (and full runs)")
+    tc.add_argument("--task", help="eval task label (default: the run's training task)")
+    tc.add_argument("-o", "--output", default="threshold-curve.png", help="PNG to write (a CSV goes beside it)")
+    tc.set_defaults(func=cmd_threshold_curve)
+
+    th = sub.add_parser("threshold", help="magnitude-thresholded checkpoints: updates with |delta| <= tau set to 0")
+    th.add_argument("run_dir", metavar="RUN_DIR")
+    th.add_argument("--tau", type=float, nargs="+", required=True, help="thresholds; one checkpoint folder per tau")
+    th.add_argument("--base-dtype", choices=DTYPES, help="round theta_0 to this dtype (default: the run's model.dtype)")
+    th.set_defaults(func=cmd_threshold)
+
+
 # ----------------------------------------------------------------------------- diagnostics
 
 
@@ -649,7 +757,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="esbatch", description="ES and GRPO post-training for LLM reasoning.")
     p.add_argument("--version", action="version", version=f"esbatch {esbatch.__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (_training_commands, _sweep_commands, _eval_commands, _config_commands, _diagnose_commands):
+    for add in (
+        _training_commands,
+        _sweep_commands,
+        _eval_commands,
+        _analysis_commands,
+        _config_commands,
+        _diagnose_commands,
+    ):
         add(sub)
     return p
 

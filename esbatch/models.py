@@ -250,3 +250,72 @@ def checksum(tensors: Any) -> float:
         return float(
             sum(float(tensors[n].detach().sum(dtype=torch.float64)) * (k + 1) for k, n in enumerate(sorted(tensors)))
         )
+
+
+# ----------------------------------------------------------------------------- base weights, tensor by tensor
+
+
+def weight_files(name: str, gguf_file: str | None = None, revision: str | None = None) -> list[Path]:
+    """The .safetensors files of a model (alias, local folder, hub id, .gguf: its dequantized copy), so that its
+    tensors can be read one at a time (drift against theta_0 without loading a second model)."""
+    if why := model_problem(name, gguf_file):
+        raise ModelNotFoundError(f"model.name: {why}")
+    path, rev = model_path(name, gguf_file, revision)
+    folder = Path(path)
+    if not folder.is_dir():  # a hub id: its safetensors from the local cache (or downloaded once)
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = Path(snapshot_download(path, revision=rev, allow_patterns=["*.safetensors", "*.json"]))
+        except Exception as e:  # noqa: BLE001 - hub errors (network, gated, missing) come in many types
+            raise ModelNotFoundError(
+                f"model.name: cannot fetch the weights of {name!r} ({type(e).__name__}: {e})"
+            ) from None
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(
+            f"model.name: {name!r} ({folder}) holds no .safetensors files; drift against theta_0 reads the base "
+            "weights tensor by tensor from safetensors (re-save it with save_pretrained(safe_serialization=True))"
+        )
+    return files
+
+
+class SafetensorsReader:
+    """Tensors of one or more .safetensors files by name, each read from disk when asked for (never all at once)."""
+
+    def __init__(self, files: list[Path] | list[str]) -> None:
+        from safetensors import safe_open
+
+        self.handles = [safe_open(str(f), framework="pt") for f in files]
+        self.where = {k: h for h in self.handles for k in h.keys()}
+        self.files = [str(f) for f in files]
+
+    def keys(self) -> list[str]:
+        return list(self.where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> Any:
+        if name not in self.where:
+            raise KeyError(f"{name}: no such tensor in {', '.join(self.files)}")
+        return self.where[name].get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, from the file header (nothing read)."""
+        return tuple(self.where[name].get_slice(name).get_shape())
+
+
+def relative_distance(current: dict[str, Any], theta0: Any) -> float:
+    """||theta_t - theta_0|| / ||theta_0|| over the tensors of ``current`` (name -> tensor), in float64 sums of
+    fp32 differences, tensor by tensor; ``theta0(name, like)`` returns theta_0's tensor (any dtype or device)."""
+    import torch
+
+    num = den = 0.0
+    with torch.no_grad():
+        for name, t in current.items():
+            t0 = theta0(name, t).to(device=t.device, dtype=torch.float32)
+            num += float((t.detach().float() - t0).double().square().sum())
+            den += float(t0.double().square().sum())
+            del t0
+    return (num / den) ** 0.5 if den else float("nan")

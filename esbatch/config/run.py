@@ -332,7 +332,12 @@ class TrackingConfig:
     uri: str | None = setting(None, "MLflow tracking URI (None = sqlite store <output_dir>/mlflow.db).")
     experiment: str = setting("esbatch", "MLflow experiment name.")
     log_model: bool = setting(False, "Save the final center in HF format as a run artifact.")
-    drift: bool = setting(True, "Keep an fp32 copy of theta_0 to log the center's relative distance from it.")
+    drift: bool = setting(
+        True,
+        "Log update/rel_distance_from_theta0 = ||theta_t - theta_0|| / ||theta_0|| every update, from an fp32 copy "
+        "of theta_0 (4 bytes/param; ES: beside the center, GRPO: on CPU, rank 0). Off: ES does not log it, GRPO "
+        "logs it at checkpoints and the last step by reading the base model's safetensors tensor by tensor.",
+    )
     parent_run_id: str | None = setting(None, "Nest this run's MLflow run under this one (pipelines set it).")
 
 

@@ -17,6 +17,11 @@ registry's ``for_policy``): with ZeRO stages 0-2 every rank holds the full updat
 continues from the newest DeepSpeed checkpoint (``checkpoint.every``); steps logged after it are redone. A
 checkpoint inside a generated batch (t % mu != 0) also keeps each rank's stored batch, so resuming there
 continues on the same rollouts and old log-probs.
+
+Drift: records carry ``update/rel_distance_from_theta0`` = ||theta_t - theta_0|| / ||theta_0||, the metric
+ES logs, with theta_0 the base model as loaded (before ``model.init_weights``, as ES). With ``tracking.drift`` rank 0
+keeps an fp32 copy of theta_0 on CPU (4 bytes per parameter of host memory) and computes it every step; without it,
+rank 0 computes it at checkpoint steps and the last step by reading the base model's safetensors tensor by tensor.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import copy
 import hashlib
 import os
 import socket
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -100,9 +106,12 @@ class GRPOTrainer(Trainer):
         self.cfg, self.rd, self.ranks, self.device = cfg, rd, ranks, device
         self._checksum: float | None = None
         self._batch: dict[str, Any] | None = None  # the generated batch the next steps train on
+        self.theta0: dict[str, Any] | None = None  # rank 0, tracking.drift: fp32 theta_0 on CPU
+        self.total = 0
 
     def setup(self) -> int:
         import deepspeed
+        import torch
 
         from esbatch.backends import BACKENDS
         from esbatch.models import load_model_and_tokenizer, load_weights
@@ -110,6 +119,8 @@ class GRPOTrainer(Trainer):
         cfg, m = self.cfg, self.cfg.model
         dtype = "float32" if self.device == "cpu" else m.dtype
         model, self.tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, dtype, self.device)
+        if cfg.tracking.drift and self.ranks.lead:  # theta_0 is the base model, as for ES
+            self.theta0 = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in model.named_parameters()}
         if m.init_weights:  # an earlier pipeline stage's weights
             load_weights(model, m.init_weights)
         self.ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.grpo.beta > 0 else None
@@ -122,7 +133,8 @@ class GRPOTrainer(Trainer):
         backend = BACKENDS.get(cfg.backend.name)
         self.gen = backend.for_policy(self.engine.module, self.tok, cfg.generation.batch_size)
         self.probs = load_problems(cfg, self.gen)
-        return cfg.total_updates(len(self.probs.train))
+        self.total = cfg.total_updates(len(self.probs.train))
+        return self.total
 
     @property
     def n_train(self) -> int:
@@ -175,8 +187,32 @@ class GRPOTrainer(Trainer):
             "time/generation_s": t_gen if generated else 0.0,
             "time/train_s": t_train,
             "flops/update": float(m[:, 7].sum()),  # App. G.2 accounting with this step's real token counts
+            **self._drift(t),
         }
         return {"t": t, "metrics": metrics, "param_checksums": [float(c) for c in m[:, 8]]}
+
+    def _drift(self, t: int) -> dict[str, float]:
+        """{"update/rel_distance_from_theta0": ...} after step ``t`` on rank 0: every step from the CPU copy of
+        theta_0, or (tracking.drift off) at checkpoint steps and the last one from the base model's files."""
+        from esbatch.models import SafetensorsReader, relative_distance, weight_files
+
+        if not self.ranks.lead:
+            return {}
+        params = dict(self.engine.module.named_parameters())
+        if self.theta0 is not None:
+            return {"update/rel_distance_from_theta0": relative_distance(params, lambda n, _: self.theta0[n])}
+        due = (t + 1) % self.cfg.checkpoint.every == 0 or t + 1 == self.total
+        if not due:
+            return {}
+        m = self.cfg.model
+        try:
+            base = SafetensorsReader(weight_files(m.name, m.gguf_file, m.revision))
+            # theta_0 as loaded: the base tensor rounded to the live dtype (the model was loaded in it), then fp32
+            rel = relative_distance(params, lambda n, p: base.get(n).to(p.dtype))
+        except (KeyError, FileNotFoundError) as e:  # a metric is not worth a failed run: say why it is missing
+            print(f"warning: update/rel_distance_from_theta0 not logged after step {t}: {e}", file=sys.stderr)
+            return {}
+        return {"update/rel_distance_from_theta0": rel}
 
     def _sample(self, mine: list[int], t: int) -> tuple[list[Any], Any]:
         """G responses per prompt with the current policy, and their rewards [prompts, G]."""

@@ -1,5 +1,12 @@
 """Experiment tracking (MLflow), imported lazily: mlflow takes seconds to import."""
 
-from esbatch.tracking.mlflow_tracker import MLflowTracker, NullTracker, default_tracking_uri, parent_tag, run_tags
+from esbatch.tracking.mlflow_tracker import (
+    MLflowTracker,
+    NullTracker,
+    default_tracking_uri,
+    log_artifacts_to,
+    parent_tag,
+    run_tags,
+)
 
-__all__ = ["MLflowTracker", "NullTracker", "default_tracking_uri", "parent_tag", "run_tags"]
+__all__ = ["MLflowTracker", "NullTracker", "default_tracking_uri", "log_artifacts_to", "parent_tag", "run_tags"]

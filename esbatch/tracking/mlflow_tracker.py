@@ -171,3 +171,16 @@ class NullTracker:
     def log_artifacts(self, path: str | Path, artifact_path: str | None = None) -> None: ...
 
     def end(self, status: str = "FINISHED") -> None: ...
+
+
+def log_artifacts_to(uri: str, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+    """Add the files of folder ``path`` to an existing (possibly finished) MLflow run, e.g. post-hoc analyses.
+    An unreachable server fails after one try instead of MLflow's minutes of retries."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    from mlflow.tracking import MlflowClient
+
+    with _sqlite_lock(uri):
+        client = MlflowClient(tracking_uri=uri)
+        client.get_run(run_id)  # a run missing from this store is an error, not a new run
+        client.log_artifacts(run_id, str(path), artifact_path)

@@ -12,6 +12,8 @@
     stage<k>-<algo>/      pipelines: one run folder per stage
     task.log              a sweep task's output (local launcher)
     mlflow.db             offline tracking: this run's private MLflow store
+    analysis/drift/       `esbatch analyze drift`: drift from theta_0 (esbatch/analyze)
+    thresholded/tau-<T>/  `esbatch threshold`: magnitude-thresholded centers, each evaluable like a run folder
 
 Every file name is spelled here once. Readers (status, plot, aggregate) never change a file. Resume
 refuses to guess (``check_resume``): it accepts a torn last line (an update whose write a kill cut short,
