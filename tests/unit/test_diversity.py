@@ -266,3 +266,79 @@ def test_p_matches_a_regeneration_of_the_member_responses(tiny_model_dir, tiny_b
             total += hits
     assert rec["metrics"]["diversity/p_mean"] == pytest.approx(total / (4 * 3 * 3))
     assert rec["metrics"]["diversity/js"] == pytest.approx(_js(rec["diversity"]["p"]))
+
+
+# ----------------------------------------------------------------------------- GRPO: the group success share
+
+
+def _grpo(tiny_model_dir, iterations=1, world=1):
+    from types import SimpleNamespace
+
+    from esbatch.grpo.trainer import GRPOTrainer
+    from esbatch.tasks import TASKS
+    from esbatch.train.problems import Problems
+    from esbatch.train.ranks import Ranks
+
+    cfg = config_from_dict(
+        {
+            "algorithm": "grpo",
+            "model": {"name": str(tiny_model_dir)},
+            "task": {"name": "toy:DigitTask", "heldout_size": 0},
+            "generation": {"temperature": 1.0, "max_new_tokens": 4},
+            "grpo": {"group_size": 3, "batch_size": 2, "updates": 2, "iterations": iterations},
+        }
+    )
+    task = TASKS.get("toy:DigitTask")(None, size=4)
+    train = task.splits(4, 0, 0, 0)["train"]
+    tr = GRPOTrainer(cfg, None, Ranks(0, world), "cpu")
+    tr.probs = Problems(task, train, [], [e.question for e in train], [])
+    tr.engine = SimpleNamespace(module=torch.nn.Linear(1, 1), get_global_grad_norm=lambda: 0.0)
+    return tr, train
+
+
+class GroupGen:
+    """G = 3 answers per prompt: prompt 0 of a call gets correct, missing, correct; the others all missing."""
+
+    def generate(self, prompts, sampling, seed):
+        texts = [["0123456789", "", "0123456789"]] + [["", "", ""]] * (len(prompts) - 1)
+        return [Generation(t, 1, token_ids=[5]) for row in texts for t in row[: sampling.n]]
+
+
+def test_grpo_sample_scores_correctness_per_response(tiny_model_dir):
+    tr, _ = _grpo(tiny_model_dir)
+    tr.gen = GroupGen()
+    _, rewards, correct = tr._sample([0, 1], 0)
+    assert correct.tolist() == [[True, False, True], [False, False, False]]
+    assert rewards.tolist() == [[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]]  # the rewards are what they were
+
+
+def test_grpo_record_holds_the_group_success_share_on_generated_steps_only(tiny_model_dir):
+    tr, _ = _grpo(tiny_model_dir, iterations=2)
+    correct = torch.tensor([[True, False, True], [False, False, False]])
+    batch = {"rewards": torch.zeros(2, 3), "t_gen": 1.0, "correct": correct, "batch": [3, 1], "weight": 1.0}
+    tr._rollouts = lambda index: {**batch, "index": index}
+    tr._learn = lambda b, first: [0.0] * 6
+    tr._weights_checksum = lambda: 1.0
+    tr._gather = lambda local: torch.tensor([local], dtype=torch.float64)
+    rec = tr.step(0)
+    assert rec["diversity"] == {"p": [[pytest.approx(2 / 3), 0.0]], "batch": [3, 1], "samples": 3}
+    m = rec["metrics"]
+    assert m["diversity/js"] == 0.0  # one policy
+    assert m["diversity/p_mean"] == pytest.approx(1 / 3)
+    assert m["diversity/h_members"] == pytest.approx(_h(2 / 3) / 2)
+    rec1 = tr.step(1)  # mu = 2: the second step trains on the same rollouts
+    assert "diversity" not in rec1 and "diversity/js" not in rec1["metrics"]
+
+
+def test_grpo_group_success_interleaves_the_ranks_shares(tiny_model_dir):
+    tr, _ = _grpo(tiny_model_dir, world=2)
+    # batch [7, 3, 5] over 2 ranks: rank 0 holds prompts 7 and 5 (batch positions 0, 2), rank 1 holds 3 (position 1)
+    b = {"correct": torch.tensor([[True, True, True], [False, False, True]]), "weight": 1.0, "batch": [7, 3, 5]}
+    tr._gather = lambda local: torch.tensor([local, [0.0, float("nan")]], dtype=torch.float64)
+    assert tr._group_success(b) == [1.0, 0.0, pytest.approx(1 / 3)]
+    # a rank standing in with weight 0 (short tail batch) reports nothing
+    seen = []
+    tr._gather = lambda local: (seen.append(local), torch.tensor([[0.5], local], dtype=torch.float64))[1]
+    tr.ranks.rank = 1
+    assert tr._group_success({**b, "weight": 0.0, "batch": [9]}) == [0.5]
+    assert len(seen) == 1 and len(seen[0]) == 1 and math.isnan(seen[0][0])
