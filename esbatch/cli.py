@@ -1,5 +1,5 @@
 """The `esbatch` command line: train, sweep, status, cancel, aggregate, eval, center, eval-plot, flops, validate, ls,
-plot."""
+plot, analyze."""
 
 from __future__ import annotations
 
@@ -414,6 +414,18 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_analyze_diversity(args: argparse.Namespace) -> int:
+    from esbatch.analyze.diversity import DiversityInputError, analyze
+
+    try:
+        files = analyze(args.run_dirs, args.out)
+    except DiversityInputError as e:
+        return _err(str(e))
+    for f in files.values():
+        print(f)
+    return 0
+
+
 # ----------------------------------------------------------------------------- the parser
 
 
@@ -516,11 +528,24 @@ def _config_commands(sub: Any) -> None:
     ls.set_defaults(func=cmd_ls)
 
 
+def _analyze_commands(sub: Any) -> None:
+    an = sub.add_parser("analyze", help="analyses of run folders (diversity, ...), written into RUN/analysis/")
+    asub = an.add_subparsers(dest="analysis", metavar="ANALYSIS", required=True)
+
+    di = asub.add_parser(
+        "diversity",
+        help="population diversity over training (paper Section 3.1) from the runs' log.jsonl: CSV, Markdown, PNG",
+    )
+    di.add_argument("run_dirs", nargs="+", metavar="RUN", help="ES, GRPO or pipeline run folders (overlaid)")
+    di.add_argument("--out", metavar="DIR", help="output folder (default: <first RUN>/analysis/diversity)")
+    di.set_defaults(func=cmd_analyze_diversity)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="esbatch", description="ES and GRPO post-training for LLM reasoning.")
     p.add_argument("--version", action="version", version=f"esbatch {esbatch.__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (_training_commands, _sweep_commands, _eval_commands, _config_commands):
+    for add in (_training_commands, _sweep_commands, _eval_commands, _config_commands, _analyze_commands):
         add(sub)
     return p
 

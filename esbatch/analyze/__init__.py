@@ -1,0 +1,1 @@
+"""Analyses of finished or running run folders (`esbatch analyze ...`), reading their files only."""
