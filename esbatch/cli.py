@@ -1,5 +1,5 @@
 """The `esbatch` command line: train, sweep, status, cancel, aggregate, eval, center, eval-plot, flops, validate, ls,
-plot, analyze (drift, threshold-curve), threshold, diagnose (kappa)."""
+plot, analyze (drift, diversity, threshold-curve), threshold, diagnose (kappa)."""
 
 from __future__ import annotations
 
@@ -484,7 +484,9 @@ def cmd_threshold(args: argparse.Namespace) -> int:
 def _analysis_commands(sub: Any) -> None:
     from esbatch.models import DTYPES
 
-    an = sub.add_parser("analyze", help="diagnostics of trained weights: drift from theta_0, Figure 4's curve")
+    an = sub.add_parser(
+        "analyze", help="analyses of run folders: drift from theta_0, population diversity, Figure 4's curve"
+    )
     asub = an.add_subparsers(dest="analysis", metavar="ANALYSIS", required=True)
     dr = asub.add_parser(
         "drift", help="relative L2 drift, s_tau, |delta| histograms by parameter type, largest updates (Table 4)"
@@ -509,6 +511,13 @@ def _analysis_commands(sub: Any) -> None:
     dr.add_argument("--no-mlflow", action="store_true", help="write the files only, log nothing to MLflow")
     dr.set_defaults(func=cmd_analyze_drift)
 
+    di = asub.add_parser(
+        "diversity",
+        help="population diversity over training (paper Section 3.1) from the runs' log.jsonl: CSV, Markdown, PNG",
+    )
+    di.add_argument("run_dirs", nargs="+", metavar="RUN", help="ES, GRPO or pipeline run folders (overlaid)")
+    di.add_argument("--out", metavar="DIR", help="output folder (default: <first RUN>/analysis/diversity)")
+    di.set_defaults(func=cmd_analyze_diversity)
     tc = asub.add_parser("threshold-curve", help="Figure 4: target-task Pass@1 vs update sparsity, one line per model")
     tc.add_argument("eval_dirs", nargs="+", metavar="EVAL_DIR", help="evals of thresholded checkpoints (and full runs)")
     tc.add_argument("--task", help="eval task label (default: the run's training task)")
@@ -598,6 +607,17 @@ def cmd_diagnose_kappa(args: argparse.Namespace) -> int:
     (out / "protocol.json").write_text(json.dumps(dataclasses.asdict(proto), indent=2) + "\n")
     print(paths["md"].read_text())
     print(f"diagnostic folder: {out}  (kappa.csv, kappa.md, kappa.png, observations.csv)")
+
+
+def cmd_analyze_diversity(args: argparse.Namespace) -> int:
+    from esbatch.analyze.diversity import DiversityInputError, analyze
+
+    try:
+        files = analyze(args.run_dirs, args.out)
+    except DiversityInputError as e:
+        return _err(str(e))
+    for f in files.values():
+        print(f)
     return 0
 
 

@@ -40,6 +40,8 @@ RESUME_OVERRIDABLE = {
     "run.threads",
     "backend.engines",  # how many vLLM engines share the population does not change the result
     "eval.every",
+    "es.diversity.every",  # diagnostics: the center never depends on them (esbatch/es/trainer.py)
+    "es.diversity.samples",
     "eval.tasks",  # in-training evaluations and snapshots read the weights, never change them
     "eval.samples",
     "eval.temperature",
@@ -133,6 +135,25 @@ class RewardConfig:
 
 
 @dataclass
+class DiversityConfig:
+    every: int = setting(
+        0,
+        "Log the population's verifier-projected diversity (paper Section 3.1; docs/diagnostics.md) on updates t "
+        "with t % every == 0: the success share p_i(x) of every member i on every prompt x goes into the update's "
+        "log.jsonl record (`diversity`) and diversity/* metrics. 0 = off. Training is unchanged: the reward still "
+        "comes from the one usual response per member and prompt; the extra samples cost generation time only.",
+        ge=0,
+    )
+    samples: int = setting(
+        1,
+        "m: responses per member and prompt that p_i(x) counts, the reward's own response first; the other m - 1 "
+        "are generated in a second pass over the population with their own seeds. 1 = no extra generation "
+        "(p_i(x) is 0 or 1, which overstates the JS diversity); > 1 needs generation.temperature > 0.",
+        ge=1,
+    )
+
+
+@dataclass
 class ESConfig:
     population_size: int = setting(8, "N: evaluations per update (antithetic: N/2 +/- pairs).", ge=2)
     sigma: float = setting(1e-3, "Perturbation scale sigma.", gt=0.0)
@@ -171,6 +192,7 @@ class ESConfig:
     )
     updates: int | None = setting(None, "Training budget in updates (set this or `epochs`).", ge=1)
     epochs: float | None = setting(None, "Training budget in epochs over the training split.", gt=0.0)
+    diversity: DiversityConfig = field(default_factory=DiversityConfig)
 
     def validate(self, path: str, errors: list[str]) -> None:
         if self.estimator == "antithetic" and self.population_size % 2:
@@ -477,6 +499,12 @@ def restore_errors(cfg: TrainConfig, errors: list[str]) -> None:
             f"es.restore: inplace needs one process (got run.nproc_per_node: {cfg.run.nproc_per_node}): each rank "
             "would carry the round-off of only the members it evaluated, and the ranks' centers would drift apart. "
             "Use run.nproc_per_node: 1, or es.restore: exact"
+        )
+    if cfg.es.diversity.every > 0:
+        errors.append(
+            f"es.diversity.every: {cfg.es.diversity.every} cannot run with es.restore: inplace: its second pass "
+            "perturbs and restores every member again, which in place leaves extra round-off in the weights and "
+            "changes the run (replay would not redo it). Use es.diversity.every: 0, or es.restore: exact"
         )
 
 

@@ -8,17 +8,25 @@ esbatch/train/lifecycle.py. The ES state is theta_0 plus the log: resume loads t
 checkpoint and replays the logged updates after it (no generation), so a killed run ends bit-identical.
 With es.restore: inplace the weights also carry every perturb/restore round-off, so replay redoes each
 update's perturb/restore cycles (members in logged order, their seeds and signed scales) before the update.
+
+Diagnostic updates (``es.diversity``, paper Section 3.1) also record each member's success share p_i(x) on each
+prompt: after the population is scored, a second pass regenerates m - 1 more responses per member and prompt
+(own seeds, same perturbations, exact restore) before the update. The reward, the weights and the update are
+those of the first pass, so the option never changes the center; replay ignores the extra record field.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 from typing import Any
 
 from esbatch.backends import BACKENDS, ESBackend, SamplingParams
-from esbatch.es.core import direction_weights, draw_population, normalize
+from esbatch.es.core import Member, direction_weights, draw_population, normalize
+from esbatch.metrics import diversity_metrics
 from esbatch.perturb.update import UpdateSpec
+from esbatch.tasks import Verdict
 from esbatch.train.flops import es_flops
 from esbatch.train.lifecycle import Trainer
 from esbatch.train.problems import Problems, evaluate_heldout, load_problems, reward_of
@@ -45,14 +53,18 @@ def es_step(cfg: Any, backend: ESBackend, probs: Problems, t: int, ranks: Ranks 
     pop = backend.evaluate_population(
         [(members[i].seed, members[i].sign * es.sigma, members[i].gen_seed) for i in mine], prompts, sampling
     )
-    local = {}
+    local, verdicts = {}, {}
     for i, gens in zip(mine, pop.generations):
-        scores = [reward_of(probs.task.score(g.text, probs.train[j]), cfg) for g, j in zip(gens, idx)]
+        verdicts[i] = [probs.task.score(g.text, probs.train[j]) for g, j in zip(gens, idx)]
+        scores = [reward_of(v, cfg) for v in verdicts[i]]
         local[i] = (sum(scores) / len(scores), sum(g.n_tokens for g in gens))
     gathered = ranks.gather(len(members), local, width=2)
     rewards = [r for r, _ in gathered]
     n_tokens = int(sum(k for _, k in gathered))
     z = normalize(rewards, es.normalization, es.eps_num)
+    diversity = None
+    if es.diversity.every and t % es.diversity.every == 0:  # before the update: p_i(x) of this population
+        diversity = population_success(cfg, backend, probs, members, idx, verdicts, ranks)
     seeds, weights = direction_weights(members, z)
     spec = UpdateSpec(seeds, weights, es.alpha, es.population_size)
     t0 = time.perf_counter()
@@ -72,7 +84,7 @@ def es_step(cfg: Any, backend: ESBackend, probs: Problems, t: int, ranks: Ranks 
         "epoch": epoch,
         **_flops(backend, prompts, n_tokens, es.population_size),
     }
-    return {
+    record = {
         "t": t,
         "batch": idx,
         "seeds": [m.seed for m in members],
@@ -84,6 +96,56 @@ def es_step(cfg: Any, backend: ESBackend, probs: Problems, t: int, ranks: Ranks 
         **spec.to_dict(),
         "metrics": metrics,
     }
+    if diversity is not None:
+        p, extra_s, extra_tokens = diversity
+        record["diversity"] = {"p": p, "samples": es.diversity.samples}
+        metrics.update({f"diversity/{k}": v for k, v in diversity_metrics(p, z).items()})
+        metrics.update({"time/diversity_s": extra_s, "tokens/diversity": extra_tokens})
+    return record
+
+
+def diversity_seed(gen_seed: int) -> int:
+    """The sampling seed of a member's extra diversity responses: a pure function of its generation seed, apart
+    from the generation seeds draw_population hands out (those come from a numpy stream)."""
+    digest = hashlib.blake2b(f"es-diversity/{gen_seed}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") % 2**31
+
+
+def population_success(
+    cfg: Any,
+    backend: ESBackend,
+    probs: Problems,
+    members: list[Member],
+    idx: list[int],
+    verdicts: dict[int, list[Verdict]],
+    ranks: Ranks = SINGLE,
+) -> tuple[list[list[float]], float, int]:
+    """p_i(x): the share of m = es.diversity.samples responses of member i to prompt x that the verifier scores
+    CORRECT, as [members][prompts] in record order, with the seconds and tokens the extra responses took.
+
+    The first of the m is the response the reward was computed from (``verdicts``: this rank's members'); the
+    other m - 1 come from a second pass over this rank's members with sampling.n = m - 1 and diversity_seed.
+    """
+    es, gen, m = cfg.es, cfg.generation, cfg.es.diversity.samples
+    mine = ranks.mine(len(members))
+    hits = {i: [float(v is Verdict.CORRECT) for v in verdicts[i]] for i in mine}
+    tokens = dict.fromkeys(mine, 0)
+    t0 = time.perf_counter()
+    if m > 1:
+        extra = SamplingParams(gen.temperature, gen.top_p, gen.max_new_tokens, n=m - 1)
+        pop = backend.evaluate_population(
+            [(members[i].seed, members[i].sign * es.sigma, diversity_seed(members[i].gen_seed)) for i in mine],
+            [probs.train_prompts[j] for j in idx],
+            extra,
+        )
+        for i, gens in zip(mine, pop.generations):
+            for k, g in enumerate(gens):  # prompt-major: prompt k // (m - 1)
+                x = k // (m - 1)
+                hits[i][x] += float(probs.task.score(g.text, probs.train[idx[x]]) is Verdict.CORRECT)
+            tokens[i] = sum(g.n_tokens for g in gens)
+    local = {i: [*(h / m for h in hits[i]), tokens[i]] for i in mine}
+    rows = ranks.gather(len(members), local, width=len(idx) + 1)
+    return [row[:-1] for row in rows], time.perf_counter() - t0, int(sum(row[-1] for row in rows))
 
 
 def _reward_metrics(rewards: list[float]) -> dict[str, float]:

@@ -22,6 +22,11 @@ Drift: records carry ``update/rel_distance_from_theta0`` = ||theta_t - theta_0||
 ES logs, with theta_0 the base model as loaded (before ``model.init_weights``, as ES). With ``tracking.drift`` rank 0
 keeps an fp32 copy of theta_0 on CPU (4 bytes per parameter of host memory) and computes it every step; without it,
 rank 0 computes it at checkpoint steps and the last step by reading the base model's safetensors tensor by tensor.
+
+Population diversity (paper Section 3.1): every generated batch's record also holds ``diversity``, the share
+p(x) of the G responses to each prompt x that the verifier scores CORRECT, as one row (GRPO samples one
+policy: a population of one, whose verifier-projected JS diversity is 0 by definition), and diversity/*
+metrics of it (esbatch/metrics.py:diversity_metrics). It costs no generation: these are the G rollouts.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from esbatch.metrics import diversity_metrics
+from esbatch.tasks import Verdict
 from esbatch.train.flops import grpo_flops
 from esbatch.train.lifecycle import Trainer
 from esbatch.train.problems import evaluate_heldout, load_problems, reward_of
@@ -173,6 +180,7 @@ class GRPOTrainer(Trainer):
         t_train = time.perf_counter() - t1
         self._checksum = self._weights_checksum()
         local = [float(rewards.mean()), float(rewards.std()), *stats, self._checksum]
+        share = self._group_success(b) if generated else None  # a collective: every rank or none
         m = self._gather(local)
         grad_norm = self.engine.get_global_grad_norm()
         metrics = {
@@ -189,7 +197,12 @@ class GRPOTrainer(Trainer):
             "flops/update": float(m[:, 7].sum()),  # App. G.2 accounting with this step's real token counts
             **self._drift(t),
         }
-        return {"t": t, "metrics": metrics, "param_checksums": [float(c) for c in m[:, 8]]}
+        record = {"t": t, "metrics": metrics, "param_checksums": [float(c) for c in m[:, 8]]}
+        if share is not None:
+            record["diversity"] = {"p": [share], "batch": b["batch"], "samples": self.cfg.grpo.group_size}
+            div = diversity_metrics([share])
+            metrics.update({f"diversity/{k}": div[k] for k in ("js", "h_members", "p_mean")})
+        return record
 
     def _drift(self, t: int) -> dict[str, float]:
         """{"update/rel_distance_from_theta0": ...} after step ``t`` on rank 0: every step from the CPU copy of
@@ -214,8 +227,19 @@ class GRPOTrainer(Trainer):
             return {}
         return {"update/rel_distance_from_theta0": rel}
 
-    def _sample(self, mine: list[int], t: int) -> tuple[list[Any], Any]:
-        """G responses per prompt with the current policy, and their rewards [prompts, G]."""
+    def _group_success(self, b: dict[str, Any]) -> list[float]:
+        """p(x) for the B prompts of the generated batch, in batch order, from every rank's share: prompt q of
+        the batch is rank q mod W's (q // W)-th (_rollouts); a rank standing in with weight 0 reports nothing."""
+        world, batch = self.ranks.world, b["batch"]
+        width = -(-len(batch) // world)
+        mine = b["correct"].float().mean(1).tolist() if b["weight"] else []
+        local = mine + [float("nan")] * (width - len(mine))
+        rows = self._gather(local).tolist() if world > 1 else [local]
+        return [float(rows[q % world][q // world]) for q in range(len(batch))]
+
+    def _sample(self, mine: list[int], t: int) -> tuple[list[Any], Any, Any]:
+        """G responses per prompt with the current policy, their rewards [prompts, G], and whether the verifier
+        scored each CORRECT [prompts, G] (bool)."""
         import torch
 
         from esbatch.backends.base import SamplingParams
@@ -226,8 +250,10 @@ class GRPOTrainer(Trainer):
         prompts = [self.probs.train_prompts[i] for i in mine]
         gens = self.gen.generate(prompts, sampling, _step_seed(self.cfg.run.seed, t, self.ranks.rank))
         owners = [i for i in mine for _ in range(g.group_size)]
-        scores = [reward_of(self.probs.task.score(x.text, self.probs.train[i]), self.cfg) for i, x in zip(owners, gens)]
-        return gens, torch.tensor(scores, dtype=torch.float32).view(len(mine), g.group_size)
+        verdicts = [self.probs.task.score(x.text, self.probs.train[i]) for i, x in zip(owners, gens)]
+        scores = [reward_of(v, self.cfg) for v in verdicts]
+        correct = torch.tensor([v is Verdict.CORRECT for v in verdicts]).view(len(mine), g.group_size)
+        return gens, torch.tensor(scores, dtype=torch.float32).view(len(mine), g.group_size), correct
 
     def _advantages(self, rewards: Any) -> Any:
         """Group-relative advantages; "batch" scaling divides by the std of every rank's rewards."""
@@ -251,10 +277,10 @@ class GRPOTrainer(Trainer):
         mine = idx[self.ranks.rank :: self.ranks.world] or idx[:1]  # a short tail batch: idle ranks repeat a
         weight = 1.0 if idx[self.ranks.rank :: self.ranks.world] else 0.0  # prompt, with weight 0 in the loss
         t0 = time.perf_counter()
-        gens, rewards = self._sample(mine, index)
+        gens, rewards, correct = self._sample(mine, index)
         t_gen = time.perf_counter() - t0
         b = self._prepare(mine, gens, self._advantages(rewards), weight)
-        return {**b, "index": index, "rewards": rewards, "t_gen": t_gen}
+        return {**b, "index": index, "rewards": rewards, "t_gen": t_gen, "correct": correct, "batch": idx}
 
     def _prepare(self, mine: list[int], gens: list[Any], adv: Any, weight: float) -> dict[str, Any]:
         """The tensors the optimizer steps on one generated batch reuse, and the batch's FLOPs."""
