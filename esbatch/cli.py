@@ -607,6 +607,7 @@ def cmd_diagnose_kappa(args: argparse.Namespace) -> int:
     (out / "protocol.json").write_text(json.dumps(dataclasses.asdict(proto), indent=2) + "\n")
     print(paths["md"].read_text())
     print(f"diagnostic folder: {out}  (kappa.csv, kappa.md, kappa.png, observations.csv)")
+    return 0
 
 
 def cmd_analyze_diversity(args: argparse.Namespace) -> int:
