@@ -65,11 +65,40 @@ def init_distributed(device: str, timeout_min: float = 30.0) -> Ranks:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
 
+    clear_stale_build_locks()
     if not dist.is_initialized():
         deepspeed.init_distributed(
             dist_backend="nccl" if device.startswith("cuda") else "gloo", timeout=timedelta(minutes=timeout_min)
         )
     return joined("gloo", timeout_min)
+
+
+def clear_stale_build_locks(max_age_s: float = 600.0, root: str | Path | None = None) -> list[Path]:
+    """Remove torch-extension build locks older than ``max_age_s``; returns the ones removed.
+
+    DeepSpeed JIT-builds its shared-memory op on first start, under a lock file that torch's FileBaton waits on
+    with no deadline. A job killed mid-build (preempted, scancelled, a timeout) leaves the lock behind and every
+    later GRPO start on that home directory then waits forever in init_distributed (seen here: 20 min before
+    anyone looked). A build takes about a minute, so a lock untouched for 10 minutes is a dead builder's.
+    """
+    from torch.utils.cpp_extension import get_default_build_root
+
+    base = Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    removed = []
+    for lock in list(base.glob("*/lock")) + list(base.glob("*/*/lock")):
+        try:
+            age = time.time() - lock.stat().st_mtime
+            if age > max_age_s:
+                lock.unlink()
+                removed.append(lock)
+                print(
+                    f"warning: removed a stale build lock {lock} ({age / 60:.0f} min old: a build killed "
+                    "before it finished); the op is rebuilt if needed",
+                    file=sys.stderr,
+                )
+        except FileNotFoundError:  # another rank removed it, or the build finished
+            continue
+    return removed
 
 
 def micro_batches(cfg: Any, world: int) -> int:
