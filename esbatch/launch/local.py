@@ -36,15 +36,14 @@ class LocalLauncher(Launcher):
         """Run ``keys`` (a key in ``after`` once its dependency exited 0); returns the submission record with
         each task's exit code and the keys ``held_back`` because their dependency failed."""
         record = {"kind": "local", "job_id": f"local-{os.getpid()}", "keys": keys, "time": now(), "pids": {}}
+        record["token"] = os.urandom(8).hex()  # which entry of sweep.json is this one (save_submission)
         if after:
             record["after"] = dict(after)
         with sd.locked() as meta:  # recorded up front so `esbatch status` elsewhere sees the live pids
             meta.setdefault("submissions", []).append(record)
-            slot = len(meta["submissions"]) - 1
 
         def save() -> None:
-            with sd.locked() as meta:
-                meta["submissions"][slot] = record
+            save_submission(sd, record)
 
         codes: dict[str, int] = {}
         try:
@@ -127,6 +126,25 @@ class LocalLauncher(Launcher):
 
     def describe(self, sd: SweepDir, name: str, n_tasks: int) -> str:
         return f"would run {n_tasks} task(s) here, {self.profile.array_parallelism} at a time (nothing run)"
+
+
+def save_submission(sd: SweepDir, record: dict[str, Any]) -> bool:
+    """Replace this launcher's submission in sweep.json, found by its token, not by position: a
+    sweep folder deleted and started afresh while this launcher was still stopping holds another launcher's
+    submission at the same index, which a positional write overwrote (the live sweep then looked interrupted
+    and `esbatch cancel` found nothing to stop). When the submission is gone, nothing is written."""
+    with sd.locked() as meta:
+        subs = meta.setdefault("submissions", [])
+        for i, sub in enumerate(subs):
+            if sub.get("token") == record["token"]:
+                subs[i] = record
+                return True
+    print(
+        f"warning: {sd.meta_path} no longer holds submission {record['job_id']} of {record['time']} (the sweep "
+        "folder was replaced while this launcher ran): its exit codes are not recorded there",
+        file=sys.stderr,
+    )
+    return False
 
 
 def _alive(pid: int, what: bytes = b"esbatch.launch.task") -> bool:
