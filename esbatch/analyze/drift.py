@@ -406,7 +406,8 @@ def _plot_histograms(s: DriftStats, out: Path) -> None:
     for tau in s.taus:
         ax.axvline(tau, color="gray", lw=0.6, ls=":")
     ax.set_xscale("log")
-    ax.set_yscale("symlog", linthresh=1)
+    ax.set_yscale("symlog", linthresh=1)  # empty bins (0) stay visible; counts are never negative
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("|delta| (log bins)")
     ax.set_ylabel("nonzero coordinates")
     ax.set_title(f"{s.label}: |theta_final - theta_0| by parameter type")
