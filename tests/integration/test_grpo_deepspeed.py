@@ -4,6 +4,7 @@ accumulate through DeepSpeed's gradient accumulation; mu inner iterations resume
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from mlflow.tracking import MlflowClient
@@ -54,6 +55,20 @@ def test_two_rank_deepspeed_grpo_steps(tmp_path, tiny_model_dir):
     final = load_file(str(rd / "center.safetensors"))
     shared = [k for k in final if k in init]
     assert shared and any(not torch.equal(final[k], init[k].float()) for k in shared)
+    # the logged drift is ||theta_T - theta_0|| / ||theta_0|| of the saved center against the model file, in float64
+    assert set(shared) == set(final)
+    num = sum(float((final[k].double() - init[k].double()).square().sum()) for k in shared)
+    den = sum(float(init[k].double().square().sum()) for k in shared)
+    assert log[-1]["metrics"]["update/rel_distance_from_theta0"] == pytest.approx((num / den) ** 0.5, rel=1e-6)
+    assert (
+        0 < log[0]["metrics"]["update/rel_distance_from_theta0"] < log[1]["metrics"]["update/rel_distance_from_theta0"]
+    )
+    # each generated batch records its prompts' success shares p(x): G=4 samples, so multiples of 1/4
+    for r in log:
+        (p,) = r["diversity"]["p"]
+        assert r["diversity"]["samples"] == 4 and len(p) == len(r["diversity"]["batch"])
+        assert all(0 <= x <= 1 and (4 * x).is_integer() for x in p)
+        assert r["metrics"]["diversity/p_mean"] == pytest.approx(sum(p) / len(p))
     assert (rd / "ds_checkpoint" / "latest").exists()
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
