@@ -146,6 +146,15 @@ def _same_kind(v: Any, d: Any) -> bool:
     return isinstance(v, type(d))
 
 
+def split_local_rows(rows: list[Example], n_heldout: int, n_demo: int, source: Any) -> tuple[list, list, list]:
+    """(train, heldout, demo) of one local file's rows: the last ``n_heldout`` are held out, the first ``n_demo``
+    are demonstrations, the rest train; ``source`` names the file in the error when too few rows remain."""
+    if len(rows) < n_heldout + n_demo + 1:
+        raise ValueError(f"{source}: {len(rows)} rows, need more than heldout+demo = {n_heldout + n_demo}")
+    heldout = rows[len(rows) - n_heldout :] if n_heldout else []
+    return rows[n_demo : len(rows) - n_heldout], heldout, rows[:n_demo]
+
+
 def disjoint_splits(make: Any, n_train: int, n_heldout: int, n_demo: int, seed: int) -> dict[str, list[Example]]:
     """Draw train/heldout/demo from a generator ``make(size, seed)`` with no question in two splits."""
     out: dict[str, list[Example]] = {}

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from esbatch.tasks.base import Example, Task
+from esbatch.tasks.base import Example, Task, split_local_rows
 from esbatch.tasks.verify import Verdict, check_boxed_number, number_key
 
 
@@ -63,12 +63,7 @@ class GSM8KTask(Task):
         if self.data_path:
             # One local file: the last n_heldout rows are held out, the first n_demo are demos.
             rows = [self._example(r) for r in load_rows(self.data_path, "train")]
-            if len(rows) < n_heldout + n_demo + 1:
-                raise ValueError(
-                    f"{self.data_path}: {len(rows)} rows, need more than heldout+demo = {n_heldout + n_demo}"
-                )
-            heldout = rows[len(rows) - n_heldout :] if n_heldout else []
-            demo, train = rows[:n_demo], rows[n_demo : len(rows) - n_heldout]
+            train, heldout, demo = split_local_rows(rows, n_heldout, n_demo, self.data_path)
         else:
             train_rows = [self._example(r) for r in load_rows(self.hub_id, self.train_split, config=self.hub_config)]
             heldout = [self._example(r) for r in load_rows(self.hub_id, self.heldout_split, config=self.hub_config)]

@@ -25,7 +25,7 @@ import textwrap
 from typing import Any
 
 from esbatch.sandbox import SandboxError, isolation_report
-from esbatch.tasks.base import SYSTEM_PROMPTS, Example, Task
+from esbatch.tasks.base import SYSTEM_PROMPTS, Example, Task, split_local_rows
 from esbatch.tasks.code_check import Limits, TestPlan, check_solutions, harness_program, plan_tests
 from esbatch.tasks.gsm8k import load_rows
 from esbatch.tasks.verify import Verdict
@@ -119,12 +119,7 @@ class MBPPTask(Task):
     def splits(self, n_train: int | None, n_heldout: int, n_demo: int, seed: int) -> dict[str, list[Example]]:
         if self.data_path:
             rows = [self._example(r) for r in load_rows(self.data_path, "train")]
-            if len(rows) < n_heldout + n_demo + 1:
-                raise ValueError(
-                    f"{self.data_path}: {len(rows)} rows, need more than heldout+demo = {n_heldout + n_demo}"
-                )
-            heldout = rows[len(rows) - n_heldout :] if n_heldout else []
-            demo, train = rows[:n_demo], rows[n_demo : len(rows) - n_heldout]
+            train, heldout, demo = split_local_rows(rows, n_heldout, n_demo, self.data_path)
         else:  # MBPP's splits are disjoint by construction
             train = self._rows(self.train_split)
             heldout = self._rows(self.heldout_split)[:n_heldout]

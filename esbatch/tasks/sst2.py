@@ -16,7 +16,7 @@ from __future__ import annotations
 import string
 from typing import Any
 
-from esbatch.tasks.base import Example, Task
+from esbatch.tasks.base import Example, Task, split_local_rows
 from esbatch.tasks.gsm8k import load_rows
 from esbatch.tasks.verify import Verdict
 
@@ -80,12 +80,7 @@ class SST2Task(Task):
     def splits(self, n_train: int | None, n_heldout: int, n_demo: int, seed: int) -> dict[str, list[Example]]:
         if self.data_path:  # one local file: the last n_heldout rows are held out, the first n_demo are demos
             rows = self._rows("train")
-            if len(rows) < n_heldout + n_demo + 1:
-                raise ValueError(
-                    f"{self.data_path}: {len(rows)} rows, need more than heldout+demo = {n_heldout + n_demo}"
-                )
-            heldout = rows[len(rows) - n_heldout :] if n_heldout else []
-            demo, train = rows[:n_demo], rows[n_demo : len(rows) - n_heldout]
+            train, heldout, demo = split_local_rows(rows, n_heldout, n_demo, self.data_path)
         else:
             train_rows = self._rows(self.train_split)
             heldout = self._rows(self.heldout_split)[:n_heldout] if n_heldout else []
