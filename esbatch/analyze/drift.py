@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from esbatch.eval.center import newest_center, newest_t
 from esbatch.train.rundir import RunDir, RunFolderError
 
 TYPES = ("norm", "attn_q", "attn_k", "attn_v", "attn_o", "attn_bias", "mlp", "embed", "lm_head", "other")
@@ -256,13 +257,8 @@ def resolve_run(path: str | Path) -> RunWeights:
         raise RunFolderError(
             f"{rd.path}: not a run folder (no {RunDir.CONFIG}); give a run or a stage<k>-<algo> folder"
         )
-    if not rd.center.exists():
-        raise RunFolderError(
-            f"{rd.path}: no {RunDir.CENTER}: the run has not saved its weights yet (GRPO writes it at the end; ES at "
-            "every checkpoint). Resume the run to its end, or analyze a snapshot: esbatch center RUN --at T"
-        )
-    t = rd.center_t()
     cfg = load_config(str(rd.config))
+    t = newest_t(rd, cfg.algorithm)  # center.safetensors, or (ES, checkpoint.center: final | none) the log
     label = f"{rd.path.parent.name}/{rd.path.name}" if rd.path.name.startswith("stage") else rd.path.name
     return RunWeights(rd, label, cfg.algorithm, cfg.model, t, rd.read_meta())
 
@@ -280,20 +276,20 @@ def analyze_run(
 
     m = run.model
     base = SafetensorsReader(weight_files(m.name, m.gguf_file, m.revision))
-    center = SafetensorsReader([run.rd.center])
-    try:
-        st = drift_stats(
-            center,
-            base,
-            label=run.label,
-            base_dtype=base_dtype or run.base_dtype,
-            taus=taus,
-            top_k=top_k,
-            edges=edges,
-            as_dtype=as_dtype,
-        )
-    except KeyError as e:
-        raise RunFolderError(f"{run.rd.center} against base model {m.name}: {e.args[0]}") from None
+    with newest_center(run.rd, run.algorithm) as (path, _):
+        try:
+            st = drift_stats(
+                SafetensorsReader([path]),
+                base,
+                label=run.label,
+                base_dtype=base_dtype or run.base_dtype,
+                taus=taus,
+                top_k=top_k,
+                edges=edges,
+                as_dtype=as_dtype,
+            )
+        except KeyError as e:
+            raise RunFolderError(f"{path} against base model {m.name}: {e.args[0]}") from None
     st.algorithm, st.t = run.algorithm, run.t
     return st
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from esbatch.analyze.drift import check_taus, resolve_run
+from esbatch.eval.center import newest_center
 from esbatch.train.rundir import RunDir, RunFolderError
 
 FOLDER = "thresholded"
@@ -116,25 +117,27 @@ def threshold_run(run: str | Path, taus: list[float], base_dtype: str | None = N
     taus = sorted(set(float(t) for t in taus))
     m = rw.model
     base = SafetensorsReader(weight_files(m.name, m.gguf_file, m.revision))
-    center = SafetensorsReader([rw.rd.center])
-    shapes = {k: center.shape(k) for k in center.keys()}
     folders = [tau_dir(rw.rd.path, tau) for tau in taus]
     writers = []
-    try:
-        for tau, folder in zip(taus, folders):
-            meta = {"t": str(rw.t), "tau": f"{tau:g}", "thresholded_from": str(rw.rd.center.resolve())}
-            writers.append(StreamingSafetensors(folder / RunDir.CENTER, shapes, meta))
-        counts = threshold_tensors(center, base, taus, base_dtype or rw.base_dtype, writers)
-        for w in writers:
-            w.close()
-    except KeyError as e:
-        for w in writers:
-            w.abort()
-        raise RunFolderError(f"{rw.rd.center} against base model {m.name}: {e.args[0]}") from None
-    except BaseException:
-        for w in writers:
-            w.abort()
-        raise
+    with newest_center(rw.rd, rw.algorithm) as (path, _):  # ES without a center file: rebuilt from its log
+        center = SafetensorsReader([path])
+        shapes = {k: center.shape(k) for k in center.keys()}
+        source = str(path.resolve()) if path == rw.rd.center else f"{rw.rd.path.resolve()} (rebuilt from its log)"
+        try:
+            for tau, folder in zip(taus, folders):
+                meta = {"t": str(rw.t), "tau": f"{tau:g}", "thresholded_from": source}
+                writers.append(StreamingSafetensors(folder / RunDir.CENTER, shapes, meta))
+            counts = threshold_tensors(center, base, taus, base_dtype or rw.base_dtype, writers)
+            for w in writers:
+                w.close()
+        except KeyError as e:
+            for w in writers:
+                w.abort()
+            raise RunFolderError(f"{path} against base model {m.name}: {e.args[0]}") from None
+        except BaseException:
+            for w in writers:
+                w.abort()
+            raise
     for tau, folder, c in zip(taus, folders, counts):
         s = {
             "tau": tau,

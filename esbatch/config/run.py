@@ -373,12 +373,30 @@ def update_list(v: Any) -> list[int]:
     return sorted(set(v))
 
 
+CENTER_MODES = ("every", "final", "none")  # checkpoint.center
+
+
 @dataclass
 class CheckpointConfig:
+    center: str = setting(
+        "every",
+        "How an ES run keeps its center on disk (its seed log, log.jsonl, is always kept: theta_0 plus the log "
+        "rebuilds any center bit for bit). every: center.safetensors every `every` updates and at the end (fp32, 4 "
+        "bytes/param; es.restore: inplace, the compute dtype); a resume loads it and replays the updates since. "
+        "final: no center file; at the end the final model is exported in the compute dtype (model.dtype, e.g. "
+        "bfloat16: 2 bytes/param) as the HF folder final_model/, which `esbatch eval --checkpoint RUN` evaluates. "
+        "none: no weights on disk at all. With final or none a resumed run replays every logged update from "
+        "theta_0 (the base model plus model.init_weights), and readers that need the fp32 center (esbatch eval "
+        "without an up-to-date final_model/, analyze drift, threshold, center) rebuild it by the same replay. "
+        "GRPO and pipelines need every (GRPO's updates cannot be replayed; stages hand over center.safetensors). "
+        "`esbatch sweep FILE --dry-run` prints the disk each choice needs.",
+        choices=CENTER_MODES,
+    )
     every: int = setting(
         10,
         "Save the center every k updates (fp32; es.restore: inplace, the live compute-dtype weights); updates "
-        "since are replayed from the log.",
+        "since are replayed from the log. With checkpoint.center: final or none, ES saves no center (GRPO's "
+        "DeepSpeed checkpoints still follow this).",
         ge=1,
     )
     snapshots: list = setting(
@@ -477,6 +495,7 @@ class TrainConfig(Schema):
                 "backend holds one model); to split the population over processes set run.nproc_per_node instead"
             )
         restore_errors(self, errors)
+        center_errors(self, errors)
         why = BACKENDS.problem(self.backend.name)
         if why:
             errors.append(f"backend.name: {why}")
@@ -506,6 +525,25 @@ def restore_errors(cfg: TrainConfig, errors: list[str]) -> None:
             "perturbs and restores every member again, which in place leaves extra round-off in the weights and "
             "changes the run (replay would not redo it). Use es.diversity.every: 0, or es.restore: exact"
         )
+
+
+def center_errors(cfg: TrainConfig, errors: list[str]) -> None:
+    """checkpoint.center: final | none rely on replaying the seed log, which only ES runs can do."""
+    if cfg.checkpoint.center == "every" or cfg.algorithm == "es":
+        return
+    if cfg.algorithm == "pipeline":
+        why = (
+            "a pipeline's stages hand their weights to the next stage through center.safetensors (its "
+            "model.init_weights), and a GRPO stage cannot rebuild its weights from a log"
+        )
+    elif cfg.algorithm == "grpo":
+        why = "GRPO's updates are gradients of sampled responses and cannot be replayed from the log"
+    else:
+        why = f"only ES runs rebuild their center from the seed log; {cfg.algorithm} keeps its weights in files"
+    errors.append(
+        f"checkpoint.center: {cfg.checkpoint.center} needs algorithm: es ({why}). Use checkpoint.center: every "
+        f"for algorithm: {cfg.algorithm}"
+    )
 
 
 def model_errors(model: ModelConfig, errors: list[str]) -> None:

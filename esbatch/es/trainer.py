@@ -5,7 +5,8 @@ prompt of the shared mini-batch, score, restore the center -> normalize the N me
 theta += alpha/N sum_i z_i eps_i -> the record (seeds, rewards, weights, metrics) the lifecycle appends to
 log.jsonl. The rest of a run (folder, MLflow, checkpoints, held-out scores, resume) is
 esbatch/train/lifecycle.py. The ES state is theta_0 plus the log: resume loads the newest center
-checkpoint and replays the logged updates after it (no generation), so a killed run ends bit-identical.
+checkpoint and replays the logged updates after it (no generation), so a killed run ends bit-identical;
+with checkpoint.center: final or none there is no center file and resume replays every update from theta_0.
 With es.restore: inplace the weights also carry every perturb/restore round-off, so replay redoes each
 update's perturb/restore cycles (members in logged order, their seeds and signed scales) before the update.
 
@@ -225,8 +226,15 @@ class ESTrainer(Trainer):
         return es_step(self.cfg, self.backend, self.probs, t, self.ranks)
 
     def save(self, t: int, final: bool) -> None:
-        if self.ranks.lead:
+        """checkpoint.center: every writes center.safetensors, final exports the last model in the compute dtype
+        (final_model/), none writes nothing: the log alone rebuilds the center (restore, esbatch/eval/center.py)."""
+        if not self.ranks.lead:
+            return
+        mode = self.cfg.checkpoint.center
+        if mode == "every":
             self.rd.save_center(self.backend.center_state_dict(), t)
+        elif mode == "final" and final:
+            self.rd.write_export(self.export, t)
 
     def evaluate(self) -> dict[str, float]:
         return evaluate_heldout(self.cfg, self.backend, self.probs)

@@ -5,12 +5,20 @@ ES: the center is theta_0 (the run's base model, plus model.init_weights) and th
 (esbatch/es/trainer.py:replay on the HF backend, on CPU): bit for bit the center the run held after T.
 GRPO's updates cannot be replayed (gradients of sampled responses): its centers come from the snapshots
 the run kept (``checkpoint.snapshots``) or its final center, which are copied.
+
+``newest_center`` is what every reader of a run's final weights goes through (esbatch eval --checkpoint, the
+sweeps' evaluations, analyze drift, threshold): center.safetensors when the run keeps one, else (an ES run with
+checkpoint.center: final or none) the center after every logged update, rebuilt by the same replay into a
+temporary file that is deleted once read.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +93,35 @@ def rebuild_es_center(cfg: Any, rd: RunDir, t: int) -> dict[str, Any]:
         return backend.center_state_dict()
     finally:
         backend.close()
+
+
+def newest_t(rd: RunDir, algorithm: str) -> int:
+    """The update of the newest center a run folder yields: its center.safetensors, else (ES) its logged updates;
+    a RunFolderError when there is neither."""
+    if rd.center.exists():
+        return rd.center_t()
+    n = len(rd.updates()) if algorithm == "es" else 0
+    if not n:
+        keeps = "GRPO writes it at the end" if algorithm == "grpo" else "ES writes it at every checkpoint"
+        raise RunFolderError(
+            f"{rd.path}: no {RunDir.CENTER} and no logged update to rebuild it from: the run has not saved its "
+            f"weights yet ({keeps}; an ES run with checkpoint.center: final or none rebuilds them from log.jsonl). "
+            "Resume the run, or use a snapshot: esbatch center RUN --at T"
+        )
+    return n
+
+
+@contextmanager
+def newest_center(rd: RunDir, algorithm: str) -> Iterator[tuple[Path, int]]:
+    """(file, update) of the run's newest center: center.safetensors, or (ES without one) the center after all
+    logged updates rebuilt from theta_0 into a temporary file inside the run folder, deleted on exit."""
+    t = newest_t(rd, algorithm)
+    if rd.center.exists():
+        yield rd.center, t
+        return
+    tmp = rd.path / f".center-rebuilt-{t}.tmp{os.getpid()}.safetensors"
+    try:
+        center_at(rd.path, t, tmp)
+        yield tmp, t
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -34,6 +34,7 @@ class WeightsSource:
     parent_uri: str | None = None
     parent_run_id: str | None = None
     description: str = ""
+    replay: tuple[RunDir, int] | None = None  # (run, t): an ES center rebuilt from the log when the model is built
 
 
 def resolve_weights(cfg: EvalConfig) -> WeightsSource:
@@ -49,12 +50,28 @@ def resolve_weights(cfg: EvalConfig) -> WeightsSource:
             center, what = _center_after(rd, train_cfg, cfg.checkpoint_update)
             what = f"{_label(meta.get('algorithm', train_cfg.algorithm))} {what}"
             return WeightsSource(train_cfg.model, center, meta.get("tracking_uri"), meta.get("mlflow_run_id"), what)
-        if not rd.center.exists():
-            raise FileNotFoundError(f"{rd.path}: no {RunDir.CENTER} yet (the run has not saved a checkpoint)")
-        rd.center_t()  # a damaged center is named now (RunFolderError), not deep inside the weight loader
-        what = f"{_label(meta.get('algorithm', train_cfg.algorithm))} center of {rd.path}"
-        return WeightsSource(train_cfg.model, rd.center, meta.get("tracking_uri"), meta.get("mlflow_run_id"), what)
+        return _final_weights(rd, train_cfg, meta)
     return WeightsSource(cfg.model, description=f"base model {cfg.model.name}")
+
+
+def _final_weights(rd: RunDir, train_cfg: Any, meta: dict[str, Any]) -> WeightsSource:
+    """A run's final weights by its checkpoint.center: center.safetensors; else final_model/ (the compute-dtype
+    export) when it holds the last logged update; else (ES) the center rebuilt from the log."""
+    from esbatch.eval.center import newest_t
+
+    label = _label(meta.get("algorithm", train_cfg.algorithm))
+    uri, run_id = meta.get("tracking_uri"), meta.get("mlflow_run_id")
+    if not rd.center.exists() and train_cfg.algorithm != "es":
+        raise FileNotFoundError(f"{rd.path}: no {RunDir.CENTER} yet (the run has not saved a checkpoint)")
+    t = newest_t(rd, train_cfg.algorithm)  # a damaged center is named now (RunFolderError), not in the loader
+    if rd.center.exists():
+        return WeightsSource(train_cfg.model, rd.center, uri, run_id, f"{label} center of {rd.path}")
+    if rd.export_t() == t:
+        folder = {"name": str(rd.final_model), "gguf_file": None, "revision": None, "init_weights": None}
+        model = type(train_cfg.model)(**{**train_cfg.model.__dict__, **folder})
+        return WeightsSource(model, None, uri, run_id, f"{label} final model of {rd.path} ({model.dtype}, update {t})")
+    what = f"{label} center of {rd.path} (rebuilt from its log, update {t})"
+    return WeightsSource(train_cfg.model, None, uri, run_id, what, replay=(rd, t))
 
 
 def _center_after(rd: RunDir, train_cfg: Any, t: int) -> tuple[Path, str]:
@@ -84,10 +101,11 @@ def _from_mlflow(cfg: EvalConfig) -> WeightsSource:
     run = client.get_run(cfg.mlflow_run)
     p = run.data.params
     rd = RunDir(Path(p.get("run.output_dir", "")) / p.get("run.name", ""))
-    if rd.center.exists():
+    if rd.center.exists() or (rd.exists() and rd.updates_logged()):  # ES without a center: rebuilt from its log
         train_cfg = load_config(str(rd.config))
-        what = f"{_label(p.get('algorithm', 'es'))} center of {rd.path}"
-        return WeightsSource(train_cfg.model, rd.center, uri, cfg.mlflow_run, what)
+        if rd.center.exists() or train_cfg.algorithm == "es":
+            meta = {"algorithm": p.get("algorithm", "es"), "tracking_uri": uri, "mlflow_run_id": cfg.mlflow_run}
+            return _final_weights(rd, train_cfg, meta)
     names = {a.path for a in client.list_artifacts(cfg.mlflow_run)}
     if RunDir.FINAL_MODEL not in names:
         raise FileNotFoundError(
@@ -102,8 +120,17 @@ def _from_mlflow(cfg: EvalConfig) -> WeightsSource:
 def build_generator(cfg: EvalConfig, src: WeightsSource) -> Any:
     """The configured backend's generator for ``src`` (the base model, plus a run's center if given)."""
     from esbatch.backends import BACKENDS
+    from esbatch.eval.center import center_at
 
-    return BACKENDS.get(cfg.backend.name).for_inference(src.model, src.center, cfg.sampling.batch_size)
+    backend = BACKENDS.get(cfg.backend.name)
+    if src.replay is None:
+        return backend.for_inference(src.model, src.center, cfg.sampling.batch_size)
+    rd, t = src.replay
+    tmp = rd.path / f".center-rebuilt-{t}.tmp{os.getpid()}.safetensors"  # read once by the loader, then deleted
+    try:
+        return backend.for_inference(src.model, center_at(rd.path, t, tmp), cfg.sampling.batch_size)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- the eval folder

@@ -284,7 +284,8 @@ def run_updates(run: RunSession, trainer: Trainer, progress: bool) -> dict[str, 
         run.log_missing_steps(records)
         _train_loop(run, trainer, start, total, progress)
         if run.lead and run.cfg.tracking.log_model:
-            trainer.export(run.rd.final_model)
+            if run.rd.export_t() != total:  # checkpoint.center: final has written it already
+                run.rd.write_export(trainer.export, total)
             run.tracker.log_artifacts(run.rd.final_model, RunDir.FINAL_MODEL)
         if not run.lead:
             return {"run_dir": str(run.rd.path), "updates": total, "rank": run.ranks.rank}

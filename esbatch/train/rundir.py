@@ -5,6 +5,8 @@
     eval.jsonl            held-out scores of the weights after update t
     center.safetensors    the center after update t (t in its metadata), written atomically: fp32, or with
                           es.restore: inplace the live compute-dtype weights (no fp32 master exists)
+    final_model/          the final model in the compute dtype as an HF folder (checkpoint.center: final, or
+                          tracking.log_model), with esbatch-export.json: {"t": the update it holds}
     snapshots/            center-<T>.safetensors: the center after update T, same format (checkpoint.snapshots,
                           or rebuilt from the log by `esbatch center RUN --at T`)
     run.json              status, algorithm, budget, progress, MLflow run id and tracking URI
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,6 +95,7 @@ class RunDir:
     TASK_LOG = "task.log"
     STORE = "mlflow.db"
     FINAL_MODEL = "final_model"
+    EXPORT_META = "esbatch-export.json"  # inside final_model/
     DISCARDED = "log.discarded.jsonl"
     SNAPSHOTS = "snapshots"
 
@@ -279,6 +283,30 @@ class RunDir:
         except OSError:
             shutil.copyfile(source, tmp)
         os.replace(tmp, self.center)
+
+    def write_export(self, save: Callable[[Path], None], t: int) -> None:
+        """Write final_model/ by ``save(folder)`` (e.g. save_pretrained) into a temporary folder, record the update
+        it holds and swap it in, so a reader never sees a half-written model or a stale one as current."""
+        import shutil
+
+        tmp = self.path / f".{self.FINAL_MODEL}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save(tmp)
+        (tmp / self.EXPORT_META).write_text(json.dumps({"t": t}))
+        old = self.path / f".{self.FINAL_MODEL}.old{os.getpid()}"
+        if self.final_model.exists():
+            os.replace(self.final_model, old)
+        os.replace(tmp, self.final_model)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def export_t(self) -> int | None:
+        """The update final_model/ holds (None: no export, or one written without its record)."""
+        meta = self.final_model / self.EXPORT_META
+        try:
+            t = json.loads(meta.read_text()).get("t")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return t if isinstance(t, int) else None
 
     def load_center(self) -> tuple[dict[str, torch.Tensor], int] | None:
         if not self.center.exists():
