@@ -54,6 +54,18 @@ MODELS.register(
 )
 
 
+# Parameter counts of the hub aliases as their model cards give them, for disk estimates before a download
+# (`esbatch sweep --dry-run`); the files' own headers are used whenever they are on this machine.
+NOMINAL_PARAMETERS = {
+    "qwen2.5-0.5b-instruct": 494_032_768,
+    "qwen2.5-1.5b-instruct": 1_543_714_304,
+    "qwen2.5-3b-instruct": 3_085_938_688,
+    "qwen2.5-7b-instruct": 7_615_616_512,
+    "llama-3.2-3b-instruct": 3_212_749_824,
+    "deepseek-r1-distill-qwen-1.5b": 1_777_088_000,
+}
+
+
 HUB_PREFIX = "hf://"  # hf://org/repo/sub/folder: a model saved in a folder of a hub repo (released checkpoints)
 HUB_SUBFOLDER = re.compile(r"^hf://([A-Za-z0-9][\w.-]*/[\w.-]+)/([^\s]+[^/\s])$")
 
@@ -138,15 +150,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ESBATCH_CACHE", Path.home() / ".cache" / "esbatch"))
 
 
-def _dequantized_copy(src: ModelSource) -> Path:
-    """Load a GGUF once, save its fp32 weights + tokenizer as a plain HF directory, return that directory."""
+def _dequantized_dir(src: ModelSource) -> Path:
+    """Where the dequantized copy of a GGUF model is (or will be) cached."""
     gguf_path = Path(src.path) / src.gguf_file if Path(src.path).exists() else None
     stamp = f"{src.path}/{src.gguf_file}/{src.revision}"
     if gguf_path is not None:
         st = gguf_path.stat()
         stamp += f"/{st.st_size}/{int(st.st_mtime)}"
     key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
-    out = cache_dir() / "dequantized" / f"{Path(src.gguf_file).stem}-{key}"
+    return cache_dir() / "dequantized" / f"{Path(src.gguf_file).stem}-{key}"
+
+
+def _dequantized_copy(src: ModelSource) -> Path:
+    """Load a GGUF once, save its fp32 weights + tokenizer as a plain HF directory, return that directory."""
+    out = _dequantized_dir(src)
     if (out / "config.json").exists():
         return out
     import torch
@@ -278,6 +295,49 @@ def weight_files(name: str, gguf_file: str | None = None, revision: str | None =
             "weights tensor by tensor from safetensors (re-save it with save_pretrained(safe_serialization=True))"
         )
     return files
+
+
+def parameter_count(name: str, gguf_file: str | None = None, revision: str | None = None) -> int | None:
+    """The model's parameter count from its files' headers, no weights read: the .safetensors headers of a local
+    folder, a cached hub snapshot or a GGUF's dequantized copy, else the GGUF's tensor table. None when no file is
+    on this machine (a hub id never downloaded: nothing is fetched)."""
+    try:
+        src = resolve_source(name, gguf_file, revision) if not name.startswith(HUB_PREFIX) else None
+    except (FileNotFoundError, ValueError):
+        return None
+    if src is None:
+        return None
+    folder = Path(src.path)
+    if src.gguf_file:
+        cached = _dequantized_dir(src)
+        if (cached / "config.json").exists():
+            folder = cached
+        elif (folder / src.gguf_file).is_file():
+            from gguf import GGUFReader  # transformers reads GGUF with it: already installed where GGUF loads
+
+            return int(sum(int(t.n_elements) for t in GGUFReader(str(folder / src.gguf_file)).tensors))
+        else:
+            return None
+    elif not folder.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(src.path, revision=src.revision, local_files_only=True))
+        except Exception:  # noqa: BLE001 - not in the local cache (or no hub client): unknown here
+            return None
+    files = sorted(folder.glob("*.safetensors"))
+    return sum(safetensors_numel(f) for f in files) if files else None
+
+
+def safetensors_numel(path: str | Path) -> int:
+    """Elements of all tensors of a .safetensors file, from its JSON header (the first 8 + n bytes)."""
+    import json
+    import math
+
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
 
 
 class SafetensorsReader:

@@ -17,6 +17,7 @@ import yaml
 
 from esbatch.config.launcher import mem_mb
 from esbatch.launch.base import LAUNCHERS, launcher_for
+from esbatch.launch.disk import sweep_disk
 from esbatch.launch.evals import eval_disk_state, eval_progress, is_eval_key
 from esbatch.launch.state import ACTIVE_STATES, RunState, SweepDir, combine, disk_state, now
 from esbatch.launch.sweep import Sweep
@@ -238,6 +239,7 @@ def dry_run(sweep: Sweep, out: Any) -> int:
         st = existing.get(e.key)
         after = f"after {e.source}" if e.source else "at once"
         print(f"       {e.key}  {e.label:50s} {st.state if st else 'new'} ({after})", file=out)
+    sweep_disk(sweep.runs, out)
     todo = [r for r in sweep.runs if not (existing.get(r.key) and existing[r.key].state in DONE_OR_ACTIVE)]
     todo += [e for e in sweep.evals if not (existing.get(e.key) and existing[e.key].state in DONE_OR_ACTIVE)]
     print("\n" + launcher_for(prof).describe(sd, sweep.name, len(todo)), file=out)
