@@ -221,10 +221,11 @@ def test_sweep_dry_run_prints_the_disk_per_run_and_in_total(tmp_path, tiny_model
     p = _tiny_params(tiny_model_dir)
     base = toy_config(tiny_model_dir, es_updates=3)
     base["model"]["dtype"] = "bfloat16"
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
     spec = {
         "name": "disk",
+        "base": str(tmp_path / "base.yaml"),
         "output_dir": str(tmp_path / "out"),
-        "config": base,
         "grid": {"checkpoint.center": ["every", "final", "none"]},
         "launcher": "local",
     }
