@@ -45,8 +45,8 @@ def build(args: argparse.Namespace, model_dir: str | None):
         "model.device=cpu",
         "tracking.drift=false",
     ]
-    if model_dir:
-        overrides.append(f"model.name={model_dir}")
+    if model_dir:  # the tiny model's character tokenizer: keep prompts within its 256 positions
+        overrides += [f"model.name={model_dir}", "task.few_shot=0"]
     cfg = load_config("quickstart", overrides)
     t0 = time.perf_counter()
     backend = HFBackend.for_es(cfg)  # the model as a run loads it (alias, GGUF cache, dtype, fp32 master)
