@@ -600,9 +600,9 @@ def default_eval_analyses(es: EvalSet) -> list[Any]:
     from esbatch.config.aggregate import parse_specs
 
     curve = [{"kind": "threshold_curve", "name": "threshold_curve"}] if es.threshold else []
-    if not es.entries:  # a sweep with a threshold phase only
-        return parse_specs(curve)
     ks = sorted({int(m[5:]) for e in es.entries for t in e.tasks.values() for m in t.values if m.startswith("pass@")})
+    if not ks:  # no eval has samples yet (or a sweep with a threshold phase only): no table to fill
+        return parse_specs(curve)
     passk = [f"pass@{k}" for k in ks]
     majk = [f"maj@{k}" for k in ks if k > 1]
     methods = {e.param("method") for e in es.entries}

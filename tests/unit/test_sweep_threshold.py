@@ -92,6 +92,18 @@ def test_the_anchor_is_the_evaluate_phases_eval_when_the_configs_match(tmp_path,
     assert ev["method=GRPO (eval)"].tau is None  # not selected by methods: an ordinary eval
     assert ev["method=ES (tau=0.0001)"].source == es_key and not ev["base " + str(tiny_model_dir)].tau
 
+    # the evaluate tables see the ev-/base- evals only; the curve sees the anchor and the tau evals
+    from esbatch.aggregate.evals import default_eval_analyses, load_evals
+
+    es = load_evals(write_plan(sw))
+    assert sorted(e.label for e in es.entries) == sorted(k for k in ev if "tau=" not in k)
+    assert [(p.key, p.tau, p.s_tau) for p in es.threshold] == [
+        (ev["method=ES (eval)"].key, 0.0, 0.0),
+        (ev["method=ES (tau=0.0001)"].key, 1e-4, None),  # its checkpoint is not written yet
+    ]
+    assert es.threshold[1].why == "no readable s_tau.json (its checkpoint was not written yet)"
+    assert "threshold_curve" in [a.kind for a in default_eval_analyses(es)]
+
     # another protocol (more samples): its own anchor, the evaluate eval left as it is
     thr["set"] = {"sampling": {"n": 4}}
     sw2 = load_sweep(str(write_sweep(tmp_path, tiny_model_dir, thr, evaluate={"config": "suite.yaml"})))
@@ -262,3 +274,18 @@ def test_threshold_curve_needs_a_threshold_phase_and_a_known_task(tmp_path):
     with pytest.raises(ConfigError) as e:
         parse_specs([{"kind": "threshold_curve", "y": "entropy"}])
     assert "aggregate[0].y" in str(e.value)
+
+
+def test_the_shipped_cpu_sweep_thresholds_es_and_grpo_on_the_training_task():
+    sw = load_sweep("threshold-cpu")
+    assert {r.point["method"]: r.config.algorithm for r in sw.runs} == {"ES": "es", "GRPO": "grpo"}
+    assert all(r.config.model.name == "smollm2-135m-instruct" and r.config.model.dtype == "float32" for r in sw.runs)
+    es = next(r.config for r in sw.runs if r.config.algorithm == "es")
+    assert (es.es.population_size, es.es.batch_size, es.es.updates) == (32, 4, 8)
+    assert sw.threshold == {"task": "Add2", "tau": [1e-6, 1e-5, 1e-4, 1e-3], "base_dtype": None}
+    assert [e.tau for e in sw.evals] == [0.0, 1e-6, 1e-5, 1e-4, 1e-3] * 2
+    e = sw.evals[0].config
+    assert (
+        [t["label"] for t in e["tasks"]] == ["Add2"] and e["sampling"]["n"] == 8 and e["sampling"]["temperature"] == 0.6
+    )
+    assert [(a.kind, a.name, a.y) for a in sw.analyses] == [("threshold_curve", "figure4", "pass@1")]
