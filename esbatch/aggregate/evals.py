@@ -3,7 +3,8 @@
 Kinds (esbatch/config/aggregate.py): ``eval_table`` (Tables 2/3/5 with ``metrics: [pass@1, pass@16, pass@32]``,
 Tables 8/9 with ``[maj@16, maj@32]``; ``delta: true`` gives Table 10, the change vs the base model),
 ``eval_wins`` (how many (model, task, metric) comparisons one method wins over another), ``pareto`` (Figure 3:
-Pass@1 vs Pass@K per task) and ``passk`` (Pass@K profiles, K = 1..n).
+Pass@1 vs Pass@K per task), ``passk`` (Pass@K profiles, K = 1..n) and ``threshold_curve`` (Figure 4: target-task
+Pass@1 against the update sparsity s_tau of the ``threshold:`` phase's checkpoints, one line per run).
 
 Every number is read back from the eval folders' per-problem samples (esbatch/eval/runner.py), so each cell
 knows how many problems and samples it rests on. A difference between two models is paired over problems
@@ -23,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from esbatch.aggregate.tables import finish, md_table, write_csv
-from esbatch.launch.evals import eval_done
+from esbatch.analyze.threshold import S_TAU, tau_dir
+from esbatch.launch.evals import THRESHOLD_PREFIX, eval_done, source_record
 from esbatch.launch.state import SweepDir
 from esbatch.metrics import pass_at_k, problem_metrics
 from esbatch.registry import did_you_mean
@@ -61,25 +63,51 @@ class EvalEntry:
 
 
 @dataclass
+class ThresholdPoint:
+    """One eval of the threshold phase: a run's final model (tau 0) or its checkpoint thresholded at tau."""
+
+    key: str
+    run: str  # the trained run's key
+    label: str  # the run's label: one line of the curve
+    point: dict[str, Any]
+    tau: float
+    finished: bool
+    tasks: dict[str, TaskSamples]
+    s_tau: float | None  # None: no s_tau.json (the checkpoint was never written)
+    why: str | None = None  # why the point cannot be drawn, when it cannot
+
+
+@dataclass
 class EvalSet:
     entries: list[EvalEntry]
     task_order: list[str]
     train_task: str | None
+    threshold: list[ThresholdPoint] = field(default_factory=list)
+    threshold_task: str | None = None
+    threshold_tasks: list[str] = field(default_factory=list)  # the task labels of the threshold evals
 
     def heldout(self, tasks: list[str] | None = None) -> list[str]:
         return [t for t in (tasks or self.task_order) if t != self.train_task]
 
     def param_errors(self, a: Any) -> list[str]:
         """Names in ``a`` (rows, panels, select) that no eval's point has (its method, model and sweep axes)."""
-        known = sorted({k for e in self.entries for k in e.point})
+        points = [p.point for p in self.threshold] if a.kind == "threshold_curve" else [e.point for e in self.entries]
+        known = sorted({k for p in points for k in p})
         names = {"rows": getattr(a, "rows", None), "panels": getattr(a, "panels", None)}
         names.update({f"select.{k}": k for k in a.select})
-        return [
+        errors = [
             f"{a.path or a.name}.{field}: unknown parameter {key!r}.{did_you_mean(key, known)} The evals have: "
             f"{', '.join(known)}"
             for field, key in names.items()
             if key and key not in known
         ]
+        task = getattr(a, "task", None)
+        if task and task not in self.threshold_tasks:
+            errors.append(
+                f"{a.path or a.name}.task: '{task}' is not a task of the threshold evals."
+                f"{did_you_mean(task, self.threshold_tasks)} Their tasks: {', '.join(self.threshold_tasks)}"
+            )
+        return errors
 
     def tasks_of(self, a: Any) -> tuple[list[str], list[str]]:
         """(tasks shown, held-out tasks averaged) for analysis ``a`` (its ``tasks`` list, else every task)."""
@@ -97,28 +125,58 @@ def load_evals(sd: SweepDir, ks: Sequence[int] = (1, 16, 32)) -> EvalSet:
     import yaml
 
     meta = sd.read()
-    entries, order = [], []
+    run_labels = {r["key"]: r["label"] for r in meta.get("runs", [])}
+    entries, order, threshold, thr_tasks = [], [], [], []
     for e in meta.get("evals", []):
         folder = sd.eval_dir(e["key"])
         plan = yaml.safe_load(sd.eval_plan_path(e["key"]).read_text())
         labels = [t.get("label") or t["name"] for t in plan["tasks"]]
-        order += [t for t in labels if t not in order]
+        only_threshold = e["key"].startswith(THRESHOLD_PREFIX)  # not a row of the eval tables
+        if not only_threshold:
+            order += [t for t in labels if t not in order]
         point = dict(e["point"])
         if e.get("source"):  # the run's point says its method and axes; its config the model
             point.setdefault("model.name", plan["model"]["name"])
-            point.setdefault("method", e["label"].removesuffix(" (eval)"))  # a sweep without `methods:`
+            own = run_labels.get(e["source"]) if only_threshold else e["label"].removesuffix(" (eval)")
+            point.setdefault("method", own)  # a sweep without `methods:`
         entry = EvalEntry(e["key"], e["label"], point, eval_done(folder))
         for lab in labels:
             rows = read_jsonl(folder / "samples" / f"{lab.replace('/', '_')}.jsonl")[0]
             if rows:
                 entry.tasks[lab] = task_samples(rows, plan.get("ks") or list(ks))
+        if e.get("tau") is not None:
+            thr_tasks += [t for t in labels if t not in thr_tasks]
+            threshold.append(_threshold_point(sd, e, point, entry, run_labels))
+        if only_threshold:
+            continue
         same = next((x for x in entries if x.point == point), None)
         if same is None:
             entries.append(entry)
         else:  # another eval config's suite for the same model: one row with both suites' tasks
             same.tasks.update(entry.tasks)
             same.finished = same.finished and entry.finished
-    return EvalSet(entries, order, meta.get("train_task"))
+    thr_task = (meta.get("threshold") or {}).get("task")
+    return EvalSet(entries, order, meta.get("train_task"), threshold, thr_task, thr_tasks)
+
+
+def _threshold_point(
+    sd: SweepDir, e: dict[str, Any], point: dict[str, Any], entry: EvalEntry, run_labels: dict[str, str]
+) -> ThresholdPoint:
+    """A threshold eval with its checkpoint's s_tau (0 for the unthresholded anchor), or why it has none."""
+    import json
+
+    tau, why, s_tau = float(e["tau"]), None, 0.0
+    if tau > 0:
+        try:
+            s = json.loads((tau_dir(sd.run_dir(e["source"]).path, tau) / S_TAU).read_text())
+            s_tau = float(s["s_tau"])
+            evaluated = source_record(sd.eval_dir(e["key"])).get("updates")
+            if evaluated is not None and s.get("updates") != evaluated:
+                why = f"its {S_TAU} is of update {s.get('updates')}, the eval of update {evaluated}: re-run the sweep"
+        except (OSError, ValueError, KeyError, TypeError):
+            s_tau, why = None, f"no readable {S_TAU} (its checkpoint was not written yet)"
+    label = run_labels.get(e["source"], e["source"])
+    return ThresholdPoint(e["key"], e["source"], label, point, tau, entry.finished, entry.tasks, s_tau, why)
 
 
 def task_samples(rows: list[dict[str, Any]], ks: Sequence[int]) -> TaskSamples:
@@ -432,11 +490,107 @@ def write_passk(es: EvalSet, a: Any, out_dir: Path) -> Any:
     return finish(a, out_dir, f"{a.name}: Pass@K profiles", body, [png, csv_path])
 
 
+def threshold_rows(es: EvalSet, a: Any) -> tuple[list[dict[str, Any]], list[tuple[ThresholdPoint, str]]]:
+    """(the curve's points, one dict each, by run then tau; the threshold evals without a point, and why)."""
+    task = a.task or es.threshold_task
+    keep = [p for p in es.threshold if all(p.point.get(k) in vals for k, vals in a.select.items())]
+    rows, missing = [], []
+    for p in sorted(keep, key=lambda p: p.tau):
+        ts = p.tasks.get(task)
+        why = p.why
+        if ts is None or a.y not in ts.values:
+            why = why or ("no samples of " + task + " yet" if p.s_tau is not None else "not evaluated yet")
+        if why:
+            missing.append((p, why))
+            continue
+        mean, lo, hi = bootstrap_ci([ts.values[a.y]])
+        rows.append(
+            {
+                "run": p.label,
+                "method": p.point.get("method"),
+                "model": p.point.get("model.name"),
+                "run_key": p.run,
+                "eval_key": p.key,
+                "tau": p.tau,
+                "s_tau": p.s_tau,
+                "task": task,
+                "metric": a.y,
+                "value": mean,
+                "ci_low": lo,
+                "ci_high": hi,
+                "problems": len(ts.ids),
+                "samples": ts.n,
+                "finished": p.finished,
+            }
+        )
+    order = list(dict.fromkeys(p.label for p in keep))
+    rows.sort(key=lambda r: (order.index(r["run"]), r["tau"]))
+    return rows, missing
+
+
+def write_threshold_curve(es: EvalSet, a: Any, out_dir: Path) -> Any:
+    """Figure 4: x = update sparsity s_tau (% of the nonzero updates zeroed), y = target-task Pass@1 (%) with its
+    95% bootstrap interval over problems; one line per run, a marker per tau (tau 0 = the final model)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, missing = threshold_rows(es, a)
+    task = a.task or es.threshold_task
+    header = list(rows[0]) if rows else ["run", "method", "model", "run_key", "eval_key", "tau", "s_tau", "task"]
+    csv_path = write_csv(out_dir / f"{a.name}.csv", header, [list(r.values()) for r in rows])
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, run in enumerate(dict.fromkeys(r["run"] for r in rows)):
+        mine = [r for r in rows if r["run"] == run]
+        x = [100 * r["s_tau"] for r in mine]
+        y = [100 * r["value"] for r in mine]
+        err = [[100 * (r["value"] - r["ci_low"]) for r in mine], [100 * (r["ci_high"] - r["value"]) for r in mine]]
+        color = colors[i % len(colors)]
+        ax.errorbar(x, y, yerr=err, color=color, marker=MARKERS[i % len(MARKERS)], ms=5, lw=1.4, capsize=3, label=run)
+        for r, xi, yi in zip(mine, x, y):
+            ax.annotate(f"{r['tau']:g}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
+    if not rows:
+        ax.text(0.5, 0.5, "no finished threshold evals yet", ha="center", va="center", transform=ax.transAxes)
+    ax.set(xlabel="update sparsity s_tau (% of nonzero updates zeroed)", ylabel=f"{a.y} (%), {task}")
+    ax.set_title(f"{a.name}: {task} {a.y} vs update sparsity (labels: tau)", fontsize=10)
+    ax.grid(alpha=0.3)
+    if rows:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = out_dir / f"{a.name}.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+    md_rows = [
+        [
+            r["run"] + ("" if r["finished"] else " *"),
+            f"{r['tau']:g}",
+            f"{100 * r['s_tau']:.4f}",
+            f"{_fmt(a.y, r['value'])} [{_fmt(a.y, r['ci_low'])}, {_fmt(a.y, r['ci_high'])}]",
+            f"{r['problems']}×{r['samples']}",
+        ]
+        for r in rows
+    ]
+    parts = [
+        f"![{a.name}]({png.name})",
+        md_table(["run", "tau", "s_tau (%)", f"{task} {a.y} (%) [95% CI]", "problems × samples"], md_rows, [1, 2, 3]),
+        f"*tau 0: the run's final model. s_tau: share of the run's nonzero updates (|delta| > 0) with |delta| <= tau, "
+        f"set to 0 in the checkpoint. {a.y} in percent with a 95% percentile bootstrap interval over problems "
+        f"({BOOTSTRAP} resamples); * = its eval has not finished.*",
+    ]
+    if missing:
+        parts.append("Not drawn:\n" + "\n".join(f"- {p.label}, tau {p.tau:g} (`{p.key}`): {w}" for p, w in missing))
+    return finish(a, out_dir, f"{a.name}: {task} {a.y} vs update sparsity", "\n\n".join(parts), [png, csv_path])
+
+
 WRITERS = {
     "eval_table": write_eval_table,
     "eval_wins": write_eval_wins,
     "pareto": write_pareto,
     "passk": write_passk,
+    "threshold_curve": write_threshold_curve,
 }
 
 
@@ -445,7 +599,10 @@ def default_eval_analyses(es: EvalSet) -> list[Any]:
     K values the evals have."""
     from esbatch.config.aggregate import parse_specs
 
+    curve = [{"kind": "threshold_curve", "name": "threshold_curve"}] if es.threshold else []
     ks = sorted({int(m[5:]) for e in es.entries for t in e.tasks.values() for m in t.values if m.startswith("pass@")})
+    if not ks:  # no eval has samples yet (or a sweep with a threshold phase only): no table to fill
+        return parse_specs(curve)
     passk = [f"pass@{k}" for k in ks]
     majk = [f"maj@{k}" for k in ks if k > 1]
     methods = {e.param("method") for e in es.entries}
@@ -459,4 +616,4 @@ def default_eval_analyses(es: EvalSet) -> list[Any]:
     if len(ks) > 1:
         specs.append({"kind": "pareto", "name": "pareto", "y": passk[-1]})
     specs.append({"kind": "passk", "name": "passk_profiles"})
-    return parse_specs(specs)
+    return parse_specs(specs + curve)

@@ -665,7 +665,13 @@ def write_report(
     errors += [
         f"{a.path or a.name}: kind '{a.kind}' reads the sweep's evaluations; add an `evaluate:` section to the sweep"
         for a in analyses
-        if isinstance(a, EVAL_KINDS) and evals is None
+        if isinstance(a, EVAL_KINDS) and a.kind != "threshold_curve" and evals is None
+    ]
+    errors += [
+        f"{a.path or a.name}: kind 'threshold_curve' reads the evals of thresholded checkpoints; add a `threshold:` "
+        "section to the sweep (tau: [...], config: EVAL_CONFIG)"
+        for a in analyses
+        if a.kind == "threshold_curve" and (evals is None or not evals.threshold)
     ]
     if errors:
         raise ConfigError(errors)
@@ -751,7 +757,20 @@ def _evals_markdown(evals: Any) -> str:
         + [f"{len(e.tasks[t].ids)}×{e.tasks[t].n}" if t in e.tasks else "—" for t in evals.task_order]
         for e in evals.entries
     ]
-    return "\n## All evaluations\n\n" + md_table(["eval", "key", "status", *evals.task_order], rows) + "\n"
+    text = "\n## All evaluations\n\n" + md_table(["eval", "key", "status", *evals.task_order], rows) + "\n"
+    if evals.threshold:
+        thr = [
+            [
+                p.label,
+                f"{p.tau:g}",
+                f"`{p.key}`",
+                ("finished" if p.finished else "not finished") + (f" ({p.why})" if p.why else ""),
+                f"{100 * p.s_tau:.4f}" if p.s_tau is not None else "—",
+            ]
+            for p in evals.threshold
+        ]
+        text += "\n## Threshold evaluations\n\n" + md_table(["run", "tau", "key", "status", "s_tau (%)"], thr) + "\n"
+    return text
 
 
 def _anchor(name: str) -> str:

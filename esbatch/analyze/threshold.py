@@ -156,6 +156,48 @@ def threshold_run(run: str | Path, taus: list[float], base_dtype: str | None = N
     return folders
 
 
+def _center_header(path: Path) -> dict[str, Any] | None:
+    """The safetensors header of ``path`` if the file is whole (its size is the header's plus the data the header
+    promises), else None."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        return header if path.stat().st_size == 8 + n + end else None
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+def thresholded_intact(folder: str | Path, tau: float, t: int, base_dtype: str) -> bool:
+    """Whether ``folder`` is a whole thresholded checkpoint of the run's center after update ``t`` at ``tau`` with
+    theta_0 in ``base_dtype``: every file written (s_tau.json last but for the copies), the center complete."""
+    folder = Path(folder)
+    try:
+        s = json.loads((folder / S_TAU).read_text())
+        meta = RunDir(folder).read_meta()
+    except (OSError, ValueError, RunFolderError):
+        return False
+    if s.get("tau") != tau or s.get("updates") != t or s.get("base_dtype") != base_dtype:
+        return False
+    if meta.get("status") != "thresholded" or not (folder / RunDir.CONFIG).exists():
+        return False
+    header = _center_header(folder / RunDir.CENTER)
+    md = (header or {}).get("__metadata__") or {}
+    return md.get("t") == str(t) and md.get("tau") == f"{tau:g}"
+
+
+def ensure_thresholded(run: str | Path, tau: float, base_dtype: str | None = None) -> tuple[Path, bool]:
+    """``<run>/thresholded/tau-<tau>/`` for the run's current center: reused when it is intact and of that center
+    (a sweep's re-run), else (re)written. Returns (folder, whether it was written now)."""
+    rw = resolve_run(run)
+    folder = tau_dir(rw.rd.path, tau)
+    if thresholded_intact(folder, float(tau), rw.t, base_dtype or rw.base_dtype):
+        return folder, False
+    (written,) = threshold_run(rw.rd.path, [tau], base_dtype=base_dtype)
+    return written, True
+
+
 # ----------------------------------------------------------------------------- Figure 4
 
 

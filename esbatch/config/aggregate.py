@@ -2,7 +2,8 @@
 
 Kinds, picked by ``kind``: ``scaling`` (paper Table 6), ``curves`` (Appendix F) and ``final`` read the runs'
 training metrics; ``eval_table``, ``eval_wins``, ``pareto`` and ``passk`` read a sweep's evaluations
-(``evaluate:``; esbatch/aggregate/evals.py: paper Tables 2/3/5/8/9/10 and Figure 3).
+(``evaluate:``; esbatch/aggregate/evals.py: paper Tables 2/3/5/8/9/10 and Figure 3); ``threshold_curve`` reads
+the evals of its ``threshold:`` phase (Figure 4).
 """
 
 from __future__ import annotations
@@ -254,7 +255,30 @@ class PassKAnalysis(EvalAnalysis):
     unknown_key: ClassVar[str] = "unknown key for kind 'passk'"
 
 
-EVAL_KINDS = (EvalTableAnalysis, EvalWinsAnalysis, ParetoAnalysis, PassKAnalysis)
+@expects("one eval metric, e.g. pass@1, pass@16, maj@16")
+def _eval_metric(v: Any) -> str:
+    if not isinstance(v, str) or not _EVAL_METRIC.match(v) or v == "entropy":
+        raise Invalid(f"got {v!r}")
+    return v
+
+
+@expects("a task label of the threshold phase's eval config, or null for the phase's target task")
+def _opt_label(v: Any) -> str | None:
+    return None if v is None else _str(v)
+
+
+@dataclass(kw_only=True)
+class ThresholdCurveAnalysis(Analysis):
+    """Paper Figure 4: target-task Pass@1 against update sparsity s_tau of the magnitude-thresholded checkpoints
+    (the sweep's ``threshold:`` phase), one line per run, a marker per tau, 95% bootstrap intervals over problems."""
+
+    kind: ClassVar[str] = "threshold_curve"
+    unknown_key: ClassVar[str] = "unknown key for kind 'threshold_curve'"
+    task: str | None = setting(None, "target task label (default: the threshold phase's `task`)", check=_opt_label)
+    y: str = setting("pass@1", "eval metric on the y axis", check=_eval_metric)
+
+
+EVAL_KINDS = (EvalTableAnalysis, EvalWinsAnalysis, ParetoAnalysis, PassKAnalysis, ThresholdCurveAnalysis)
 KINDS: dict[str, type[Analysis]] = {c.kind: c for c in (ScalingAnalysis, CurvesAnalysis, FinalAnalysis, *EVAL_KINDS)}
 Analysis.variants = KINDS
 

@@ -16,6 +16,10 @@ evaluate:                         # after training: evaluate every final model (
   config: eval-easy               #   an eval config (built-in name or a path relative to this file)
   base_models: true               #   also evaluate each distinct model before training
   train_task: GSM8K               #   the suite's training task: left out of the held-out average
+threshold:                        # after training: magnitude-thresholded checkpoints of every final model, each
+  tau: [1.0e-6, 1.0e-5, 1.0e-4]   #   evaluated on the target task (Figure 4; esbatch/launch/evals.py)
+  config: eval-easy               #   the target task's eval config
+  task: GSM8K                     #   its label (default: evaluate.train_task, else the config's only task)
 launcher: a100                    # a launcher profile; fields overridable below
 launcher_overrides: {time: "12:00:00"}
 aggregate: [...]                  # tables and plots (esbatch/config/aggregate.py)
@@ -24,6 +28,7 @@ aggregate: [...]                  # tables and plots (esbatch/config/aggregate.p
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -59,6 +64,68 @@ class EvaluateSpec(Schema):
     )
 
 
+@expects("an eval config name or path")
+def _config(v: Any) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise Invalid(f"got {v!r}")
+    return v
+
+
+@expects(
+    "a non-empty list of thresholds, each a finite number > 0 (|delta| in (0, tau] is zeroed), e.g. "
+    "[1.0e-6, 1.0e-5, 1.0e-4]; distinct at 6 significant digits (each names a folder tau-<tau>)"
+)
+def _taus(v: Any) -> list[float]:
+    items = v if isinstance(v, list) else [v]
+    if not items or v is None:
+        raise Invalid(f"got {v!r}")
+    out: list[float] = []
+    for x in items:
+        try:  # YAML 1.1 reads 1e-6 (no dot) as a string; users write it that way
+            tau = float(x.strip() if isinstance(x, str) else x) if not isinstance(x, bool) else math.nan
+        except (TypeError, ValueError):
+            tau = math.nan
+        if not (math.isfinite(tau) and tau > 0):
+            raise Invalid(f"{x!r} is not a finite number > 0")
+        same = [t for t in out if f"{t:g}" == f"{tau:g}"]
+        if same:
+            raise Invalid(f"{x!r} and {same[0]!r} are the same threshold (folder tau-{tau:g})")
+        out.append(tau)
+    return sorted(out)
+
+
+@dataclass
+class ThresholdSpec(Schema):
+    """The threshold phase of a sweep (paper Section 4.2, Figure 4): after training, each final model's
+    magnitude-thresholded checkpoints, one per tau, each evaluated on the target task."""
+
+    tau: list = setting(
+        help="Thresholds: per tau a checkpoint <run>/thresholded/tau-<tau>/ where updates with 0 < |delta| <= tau "
+        "are set to 0 (esbatch threshold), evaluated after the run's training. The unthresholded final model "
+        "(tau 0, s_tau 0) is evaluated too, as the curve's anchor (the `evaluate:` eval when its config is the same).",
+        check=_taus,
+    )
+    config: str = setting(
+        help="The target task's eval config: a built-in name (`esbatch ls`) or a path relative to the sweep file.",
+        check=_config,
+    )
+    set: dict = setting({}, "Overrides of that eval config, e.g. {sampling: {n: 8}}.")
+    task: str | None = setting(
+        None,
+        "Label of the target task in that config: the curve's y axis (default: evaluate.train_task when the config "
+        "has it, else the config's only task).",
+    )
+    methods: list = setting(
+        [], "Threshold only the runs of these methods (names of the sweep's `methods:`); default every trained run."
+    )
+    base_dtype: str | None = setting(
+        None,
+        "Round theta_0 to this dtype (default: each run's model.dtype, as the trainer loaded it; float32 for a GRPO "
+        "run trained on CPU, which loads fp32 whatever model.dtype says).",
+        choices=("float32", "bfloat16", "float16"),
+    )
+
+
 @dataclass
 class SweepFile(Schema):
     unknown_key: ClassVar[str] = "unknown sweep key"
@@ -79,6 +146,11 @@ class SweepFile(Schema):
         None,
         "Evaluate every trained run's final model (and the base models) as jobs that start when their training "
         "ends (docs/sweeps-and-slurm.md).",
+    )
+    threshold: ThresholdSpec | None = setting(
+        None,
+        "Figure 4: after training, thresholded checkpoints of every trained run's final model, one per tau, each "
+        "evaluated on the target task as jobs that start when the training ends (docs/diagnostics.md).",
     )
     launcher: str | None = setting(None, "Launcher profile name or path (default: local).")
     launcher_overrides: dict = setting({}, "Fields of the launcher profile changed for this sweep.")

@@ -8,6 +8,12 @@ into an old folder), its resolved config in ``plan/<key>.eval.yaml``, its folder
 of esbatch/eval/runner.py: samples appended chunk by chunk, so a killed eval continues). An eval of a trained
 run starts when that run's training has finished (local launcher: right after it; SLURM: an array with
 ``--dependency=aftercorr`` on the training array, task i after task i); base-model evals start at once.
+
+The threshold phase (``threshold: {tau: [...], config: ..., task: ...}``, paper Figure 4) adds, per trained run
+and tau, an eval ``thr-...`` of the checkpoint ``runs/<key>/thresholded/tau-<tau>/``: the same kind of job, after
+the same training, which first writes that checkpoint (or reuses it when intact: esbatch/analyze/threshold.py)
+and then evaluates it on the target task. The unthresholded final model (tau 0) is the curve's anchor: the
+``evaluate:`` eval of the run when its resolved config is the same, else one more ``thr-`` eval of the run.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from esbatch.config.loader import find, read_yaml
 from esbatch.config.schema import ConfigError, deep_merge
 from esbatch.registry import did_you_mean
 
-BASE_PREFIX, RUN_PREFIX = "base-", "ev-"
+BASE_PREFIX, RUN_PREFIX, THRESHOLD_PREFIX = "base-", "ev-", "thr-"
 SOURCE_FILE = "source.json"  # which center an eval of a trained run evaluated: {run, updates}
 
 
@@ -35,10 +41,11 @@ class PlannedEval:
     source: str | None  # the trained run's key; None = a base model
     point: dict[str, Any]  # the run's sweep point (method, model.name, ...) or {model.name: ...} for a base model
     config: dict[str, Any]  # the eval config (checkpoint set for trained runs)
+    tau: float | None = None  # a point of the threshold curve: its tau (0 = the unthresholded anchor)
 
 
 def is_eval_key(key: str) -> bool:
-    return key.startswith((BASE_PREFIX, RUN_PREFIX))
+    return key.startswith((BASE_PREFIX, RUN_PREFIX, THRESHOLD_PREFIX))
 
 
 def _hash(*parts: Any) -> str:
@@ -108,6 +115,88 @@ def _plan_one(
         if extra is not None:
             bases.setdefault(extra.key, extra)
     return list(bases.values()) + out
+
+
+def load_threshold_base(
+    spec: Any, evaluate: Any, sweep_path: Path, errors: list[str]
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The threshold phase's eval config as a dict and its target task's label (``task``, else the evaluate
+    phase's ``train_task`` when the config has it, else the config's only task)."""
+    try:
+        rel = sweep_path.parent / spec.config
+        data = deep_merge(read_yaml(rel if rel.is_file() else find(spec.config, "eval")), spec.set)
+        labels = [t.label or t.name for t in eval_config_from_dict(data).task_list()]
+    except ConfigError as e:
+        errors.extend(f"threshold.config: {m}" for m in e.errors)
+        return None, None
+    if spec.task is not None:
+        if spec.task not in labels:
+            errors.append(
+                f"threshold.task: '{spec.task}' is not a task label of {spec.config}.{did_you_mean(spec.task, labels)} "
+                f"Its labels: {', '.join(labels)}"
+            )
+            return None, None
+        return data, spec.task
+    train_task = getattr(evaluate, "train_task", None)
+    if train_task in labels:
+        return data, train_task
+    if len(labels) == 1:
+        return data, labels[0]
+    errors.append(
+        f"threshold.task: {spec.config} has {len(labels)} tasks; name the target task whose Pass@1 the curve shows "
+        f"(one of {', '.join(labels)})"
+    )
+    return None, None
+
+
+def plan_threshold(
+    spec: Any,
+    eval_base: dict[str, Any],
+    runs: list[Any],
+    sweep_dir: Path,
+    experiment: str,
+    planned: list[PlannedEval],
+    errors: list[str],
+) -> list[PlannedEval]:
+    """Per selected run: the tau-0 anchor (``planned``'s eval of the run when it has the same config: marked, not
+    planned again) and one eval per tau of ``runs/<key>/thresholded/tau-<tau>/``, in tau order."""
+    from esbatch.analyze.threshold import tau_dir
+
+    methods = list(dict.fromkeys(str(r.point["method"]) for r in runs if "method" in r.point))
+    wanted = [str(m) for m in spec.methods]
+    unknown = [m for m in wanted if m not in methods]
+    if unknown:
+        valid = f"the sweep's methods: {', '.join(methods)}" if methods else "the sweep has no `methods:` axis"
+        errors.append(
+            f"threshold.methods: {', '.join(map(repr, unknown))} not a method of this sweep."
+            f"{did_you_mean(unknown[0], methods)} Valid: {valid}"
+        )
+        return []
+    chosen = [r for r in runs if not wanted or r.point.get("method") in wanted]
+    if not chosen:
+        errors.append(f"threshold: no trained run to threshold (runs: {len(runs)}, methods: {wanted or 'all'})")
+        return []
+    uri = runs[0].config.tracking.uri
+    common = {"output_dir": str(sweep_dir / "evals"), "tracking": {"uri": uri, "experiment": experiment}}
+    by_key = {e.key: e for e in planned}
+    out: list[PlannedEval] = []
+    for r in chosen:
+        cfg = deep_merge(copy.deepcopy(eval_base), {**common, "model": r.config.to_dict()["model"]})
+        if not _valid(cfg, f"threshold (run {r.key}, {r.label})", errors):
+            continue
+        run_dir = sweep_dir / "runs" / r.key
+        anchor = by_key.get(RUN_PREFIX + _hash(r.key, cfg))  # the evaluate phase's eval of this final model
+        if anchor is not None:
+            anchor.tau = 0.0
+        else:
+            key = THRESHOLD_PREFIX + _hash(r.key, cfg, 0.0)
+            planned_cfg = {**cfg, "name": key, "checkpoint": str(run_dir)}
+            out.append(PlannedEval(key, f"{r.label} (tau=0)", r.key, dict(r.point), planned_cfg, 0.0))
+        for tau in spec.tau:
+            key = THRESHOLD_PREFIX + _hash(r.key, cfg, tau)
+            planned_cfg = {**cfg, "name": key, "checkpoint": str(tau_dir(run_dir, tau))}
+            out.append(PlannedEval(key, f"{r.label} (tau={tau:g})", r.key, dict(r.point), planned_cfg, tau))
+    return out
 
 
 def _extra_eval(

@@ -53,12 +53,18 @@ def write_plan(sweep: Sweep) -> SweepDir:
             mem_request_mb=mem_mb(sweep.profile.mem),
             max_requeues=sweep.profile.max_requeues,
             runs=[{"key": r.key, "label": r.label, "index": r.index, "point": r.point} for r in sweep.runs],
-            evals=[{"key": e.key, "label": e.label, "source": e.source, "point": e.point} for e in sweep.evals],
+            evals=[_eval_entry(e) for e in sweep.evals],
             train_task=sweep.train_task,
+            threshold=sweep.threshold,
         )
         meta.setdefault("submissions", [])
         meta.setdefault("created", now())
     return sd
+
+
+def _eval_entry(e: Any) -> dict[str, Any]:
+    entry = {"key": e.key, "label": e.label, "source": e.source, "point": e.point}
+    return entry if e.tau is None else {**entry, "tau": e.tau}  # a point of the threshold curve
 
 
 def _write_if_changed(p: Any, text: str) -> None:

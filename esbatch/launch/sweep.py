@@ -20,7 +20,7 @@ from esbatch.config.loader import find, read_yaml
 from esbatch.config.run import RESUME_OVERRIDABLE, TrainConfig, config_from_dict, parse_overrides
 from esbatch.config.schema import ConfigError, build, deep_merge, describe, flatten
 from esbatch.config.sweep import SWEEP_KEYS, SweepFile
-from esbatch.launch.evals import PlannedEval, load_eval_bases, plan_evals
+from esbatch.launch.evals import PlannedEval, load_eval_bases, load_threshold_base, plan_evals, plan_threshold
 from esbatch.registry import did_you_mean
 
 __all__ = ["SWEEP_KEYS", "PlannedRun", "Sweep", "load_sweep", "run_key"]
@@ -53,6 +53,7 @@ class Sweep:
     description: str = ""
     evals: list[PlannedEval] = field(default_factory=list)
     train_task: str | None = None
+    threshold: dict[str, Any] | None = None  # {task, tau, base_dtype}: the threshold phase (Figure 4)
 
     @property
     def tracking_uri(self) -> str:
@@ -165,6 +166,14 @@ def load_sweep(
             evals = plan_evals(spec.evaluate, bases, runs, sweep_dir, experiment, errors)
         if errors:
             raise ConfigError(errors, src)
+    threshold = None
+    if spec.threshold is not None:
+        base, task = load_threshold_base(spec.threshold, spec.evaluate, path, errors)
+        if base is not None:
+            evals += plan_threshold(spec.threshold, base, runs, sweep_dir, experiment, evals, errors)
+        if errors:
+            raise ConfigError(errors, src)
+        threshold = {"task": task, "tau": spec.threshold.tau, "base_dtype": spec.threshold.base_dtype}
     from esbatch.config.aggregate import parse_specs
 
     return Sweep(
@@ -180,6 +189,7 @@ def load_sweep(
         description=spec.description,
         evals=evals,
         train_task=spec.evaluate.train_task if spec.evaluate else None,
+        threshold=threshold,
     )
 
 

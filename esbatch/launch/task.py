@@ -56,7 +56,8 @@ def run_eval_task(sd: SweepDir, key: str, progress: bool = False) -> dict[str, A
     """Evaluate (or continue evaluating) planned eval ``key``: a trained run's center or a base model.
 
     An eval folder that evaluated an older center of its run (trained further since) is moved aside to
-    ``<key>.at<updates>``, never mixed with the new samples. Base-model evals nest under the sweep's run."""
+    ``<key>.at<updates>``, never mixed with the new samples. Base-model evals nest under the sweep's run. An eval
+    of a threshold point (tau > 0) first writes its thresholded checkpoint of the run, or reuses an intact one."""
     import json
 
     import yaml
@@ -75,6 +76,12 @@ def run_eval_task(sd: SweepDir, key: str, progress: bool = False) -> dict[str, A
         old = source_record(folder).get("updates")
         if old not in (None, updates):
             folder.rename(folder.with_name(f"{key}.at{old}"))
+        if entry.get("tau"):  # a point of the threshold curve: its checkpoint of the run's final center first
+            from esbatch.analyze.threshold import ensure_thresholded
+
+            base_dtype = (sd.read().get("threshold") or {}).get("base_dtype")
+            ck, written = ensure_thresholded(sd.run_dir(entry["source"]).path, entry["tau"], base_dtype)
+            print(f"esbatch task: {'wrote' if written else 'reusing the intact'} {ck}", flush=True)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / SOURCE_FILE).write_text(json.dumps({"run": entry["source"], "updates": updates}))
     elif sd.read().get("tracking") != "offline":
