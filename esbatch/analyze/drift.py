@@ -497,6 +497,13 @@ def analyze_drift(
         raise ValueError(f"--top-k {top_k}: give a count >= 1")
     targets = [resolve_run(r) for r in runs]  # every folder is checked before the first model is read
     ref = resolve_run(reference) if reference is not None else None
+    seen = {ref.rd.path.resolve()} if ref else set()
+    unique = []
+    for rw in targets:  # a run given twice (or also as --reference) is read and tabulated once
+        if rw.rd.path.resolve() not in seen:
+            seen.add(rw.rd.path.resolve())
+            unique.append(rw)
+    targets = unique
     kw = dict(taus=taus, top_k=top_k, edges=log_edges(per_decade), base_dtype=base_dtype, as_dtype=as_dtype)
     done = [(rw, analyze_run(rw, **kw)) for rw in ([ref] if ref else []) + targets]
     ref_stats = done[0][1] if ref else None

@@ -229,8 +229,9 @@ def test_cli_drift_writes_table4_histograms_and_plots(tmp_path, capsys):
     es = _run(tmp_path, model_dir, center, "es-run")
     small = {n: base[n] + (center[n] - base[n]) / 4 for n in base}  # every update a quarter: rel L2 / 4
     grpo = _run(tmp_path, model_dir, small, "grpo-run", algorithm="grpo")
-    rc = main(
-        ["analyze", "drift", str(es.path), "--reference", str(grpo.path), "--tau", "1e-6", "1e-4", "--top-k", "3"]
+    rc = main(  # the reference also listed as a run, and a run twice: each is analysed and tabulated once
+        ["analyze", "drift", str(es.path), str(grpo.path), str(es.path), "--reference", str(grpo.path)]
+        + ["--tau", "1e-6", "1e-4", "--top-k", "3"]
     )
     assert rc == 0, capsys.readouterr().err
     out = es.path / "analysis" / "drift"
@@ -240,6 +241,7 @@ def test_cli_drift_writes_table4_histograms_and_plots(tmp_path, capsys):
         assert (out / f).read_bytes()[:4] == b"\x89PNG"
     rows = (out / "table4.csv").read_text().splitlines()
     assert rows[0].startswith("run,algorithm,updates,rel_l2_x1e-2,ratio_to_reference,s_tau@1e-06 (%),s_tau@0.0001 (%)")
+    assert len(rows) == 3, rows
     ref_row, es_row = rows[1].split(","), rows[2].split(",")
     assert ref_row[:2] == ["grpo-run", "grpo"] and es_row[:2] == ["es-run", "es"]
     assert float(es_row[4]) == 4.0 and float(ref_row[4]) == 1.0
