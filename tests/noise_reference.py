@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+import torch
 
 M0, M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 W0, W1 = 0x9E3779B9, 0xBB67AE85
@@ -74,3 +75,16 @@ def eps(seed: int, name: str, start: int, count: int, table: np.ndarray, kind: s
     z = half_normal(w & np.uint64(0x7FFFFFFF), table)
     z = np.where(negative, -z, z)
     return z.astype(np.float32) * np.float32(2.0**-28)
+
+
+def table() -> np.ndarray:
+    """The committed table (data shared with the implementation; tests/unit/test_noise.py regenerates it)."""
+    from esbatch.perturb.noise import TABLE_FILE
+
+    return np.load(TABLE_FILE)
+
+
+def eps_tensor(seed: int, name: str, shape: tuple[int, ...], kind: str = "gauss") -> torch.Tensor:
+    """The default generator's eps (es.noise: philox-gauss) of a whole tensor, from this reference: fp32, CPU."""
+    n = int(np.prod(shape, dtype=np.int64))
+    return torch.from_numpy(eps(seed, name, 0, n, table(), kind)).reshape(tuple(shape))

@@ -38,7 +38,7 @@ class CenteredWeights:
             raise RuntimeError("perturb() called on perturbed weights: restore first")
         self.perturbed = True
         for name, p in self.live.items():
-            master = self.master[name].view(-1)
+            master = self.master[name].reshape(-1)  # read only: a copy only for a non-contiguous view
             where = eps_device(self.noise, p.device)
             with flat(p) as dst:
                 for s, e in spans(p.numel(), self.noise):
