@@ -27,13 +27,14 @@ so with sh = max(k - 10, 0):
 (correctly rounded on CPU and CUDA) and a multiplication by 2^-28 (exact), so no FMA contraction, libm or
 compiler flag can change a direction. The table is a committed file (libm differences in regenerating it must
 not silently change directions): ``build_table`` regenerates it from the stdlib's inverse normal CDF and its
-sha256 is checked on load (``TABLE_SHA256``). Interpolation error against the exact quantile: at most 2.2e-8
-(abs), far below fp32's resolution of eps (6e-8 near 1); the largest |eps| is z(0) = 6.34 (P = 2^-31 per sign).
-Checked element for element against an independent numpy implementation (tests/noise_reference.py).
+sha256 is checked on load (``TABLE_SHA256``). Table plus interpolation are at most 5.1e-8 from the exact
+quantile (measured), below half an fp32 ulp of eps near 1; the largest |eps| is z(0) = 6.34. Checked element for
+element against an independent numpy implementation (tests/noise_reference.py).
 
-Speed: the integer function is compiled with torch.compile (inductor: C++ on CPU, Triton on CUDA) when it can
-be (``ESBATCH_NOISE_COMPILE=0`` turns that off); the eager path computes the same bits, only slower. Figures:
-benchmarks/noise.py, docs/noise.md. The CUDA path is the same source but is untested where no GPU was at hand.
+Speed: on the CPU a small C kernel (``CPU_SOURCE``, built on first use with the system compiler and cached,
+run over torch's CPU threads through ctypes); on CUDA ``_blocks`` compiled by torch.compile (Triton), untested
+where no GPU was at hand. ``ESBATCH_NOISE_FAST=0``, or no compiler, leaves the eager torch path: the same bits,
+about 100x slower. Figures: benchmarks/noise.py, docs/noise.md.
 
 ``legacy-cpu``: the generator of runs made before ``es.noise``: torch.randn on a CPU torch.Generator seeded
 with tensor_seed, fp32, whole tensor at once (torch's CPU normal sampler depends on the tensor's size, so it
@@ -49,6 +50,7 @@ import os
 import subprocess
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,7 @@ NOISES = ("philox-gauss", "philox-rademacher", "legacy-cpu")  # es.noise
 DEFAULT_NOISE = "philox-gauss"  # new runs
 LEGACY_NOISE = "legacy-cpu"  # runs recorded before es.noise existed
 CHUNK = 1 << 20  # elements of eps materialized at once (4 MiB fp32)
+PARALLEL_MIN = 1 << 16  # CPU: elements per thread below which one thread draws the whole span
 
 PHILOX_M = (0xD2511F53, 0xCD9E8D57)
 PHILOX_W = (0x9E3779B9, 0xBB67AE85)
@@ -216,6 +219,11 @@ def _cpu_kernel() -> Any:
 
 
 @functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="esbatch-noise")
+
+
+@functools.cache
 def _compiled() -> Any:
     """_blocks compiled by torch.compile (Triton) for CUDA; None when unavailable or ESBATCH_NOISE_FAST=0."""
     if os.environ.get("ESBATCH_NOISE_FAST", "1") == "0":
@@ -239,8 +247,17 @@ def _draw_fast(
         if fn is None:
             return None
         out = torch.empty(count, dtype=torch.float32)
-        table = _table(device)  # int32, contiguous
-        fn(start, count, key & _MASK32, key >> 32, table.data_ptr(), 0 if gauss else 1, out.data_ptr())
+        args = (key & _MASK32, key >> 32, _table(device).data_ptr(), 0 if gauss else 1)  # the table: int32
+        parts = min(torch.get_num_threads(), count // PARALLEL_MIN) if count >= 2 * PARALLEL_MIN else 1
+        if parts <= 1:
+            fn(start, count, *args, out.data_ptr())
+            return out
+        # torch's CPU threads, as its own ops use them: ctypes releases the GIL, and every element is a pure
+        # function of its index, so any split gives the same bits
+        cuts = [count * i // parts for i in range(parts + 1)]
+        ptr, size = out.data_ptr(), out.element_size()
+        jobs = [(start + a, b - a, *args, ptr + a * size) for a, b in zip(cuts, cuts[1:])]
+        list(_pool(parts).map(lambda job: fn(*job), jobs))
         return out
     fn = _compiled() if device.type not in _compile_failed else None
     if fn is None:

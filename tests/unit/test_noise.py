@@ -49,7 +49,16 @@ def test_mulhilo_without_int64_overflow_matches_python_ints():
         assert lo.tolist() == [(x * m) & 0xFFFFFFFF for x in a]
 
 
-SPANS = [(0, 1), (0, 10), (3, 1001), (N.CHUNK - 5, 11), (N.CHUNK * 3 - 2, 7), (2**32 * 4 - 3, 9), (2**35 + 1, 6)]
+SPANS = [  # (start, count): across blocks, CPU threads, chunks, the 2^32-block counter word
+    (0, 1),
+    (0, 10),
+    (3, 1001),
+    (5, 3 * N.PARALLEL_MIN + 7),
+    (N.CHUNK - 5, 11),
+    (N.CHUNK * 3 - 2, 7),
+    (2**32 * 4 - 3, 9),
+    (2**35 + 1, 6),
+]
 
 
 @pytest.mark.parametrize("noise,kind", [("philox-gauss", "gauss"), ("philox-rademacher", "rademacher")])
