@@ -32,7 +32,9 @@ quantile (measured), below half an fp32 ulp of eps near 1; the largest |eps| is 
 element against an independent numpy implementation (tests/noise_reference.py).
 
 Speed: on the CPU a small C kernel (``CPU_SOURCE``, built on first use with the system compiler and cached,
-run over torch's CPU threads through ctypes); on CUDA ``_blocks`` compiled by torch.compile (Triton), untested
+run over torch's CPU threads through ctypes) with an AVX2 path chosen at run time (no -march, so one cached
+binary serves every x86-64 CPU sharing the cache) and a scalar path of the same bits (other CPUs, ragged ends,
+``ESBATCH_NOISE_SIMD=0``); on CUDA ``_blocks`` compiled by torch.compile (Triton), untested
 where no GPU was at hand. ``ESBATCH_NOISE_FAST=0``, or no compiler, leaves the eager torch path: the same bits,
 about 100x slower. Figures: benchmarks/noise.py, docs/noise.md.
 
@@ -47,6 +49,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import subprocess
 import warnings
 from collections.abc import Iterator
@@ -187,12 +190,14 @@ def _blocks(b0: torch.Tensor, nb: int, keys: torch.Tensor, table: torch.Tensor, 
 
 
 CPU_SOURCE = Path(__file__).with_name("noise_cpu.c")
+# no -march: the AVX2 path is a function-level target chosen at run time, so the cached binary runs on any x86-64
 CPU_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+CPU_SIMD = os.environ.get("ESBATCH_NOISE_SIMD", "1") != "0"  # False: the kernel's scalar path (same bits, slower)
 
 
 @functools.cache
-def _cpu_kernel() -> Any:
-    """The C kernel (CPU_SOURCE) as a ctypes function, built once per source and compiler into the user's cache
+def _cpu_lib() -> Any:
+    """The C kernel (CPU_SOURCE) as a ctypes library, built once per source and compiler into the user's cache
     (ESBATCH_NOISE_CACHE, default ~/.cache/esbatch); None (eager torch, the same bits, slower) when no C compiler
     works or ESBATCH_NOISE_FAST=0."""
     if os.environ.get("ESBATCH_NOISE_FAST", "1") == "0":
@@ -200,7 +205,9 @@ def _cpu_kernel() -> Any:
     cc = os.environ.get("CC", "cc")
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-        tag = hashlib.sha256(CPU_SOURCE.read_bytes() + version.encode() + " ".join(CPU_FLAGS).encode()).hexdigest()
+        # the architecture too: x86-64 and arm nodes of a cluster may share a home folder (and a compiler banner)
+        key = [version, " ".join(CPU_FLAGS), platform.machine()]
+        tag = hashlib.sha256(CPU_SOURCE.read_bytes() + "\n".join(key).encode()).hexdigest()
         cache = Path(os.environ.get("ESBATCH_NOISE_CACHE", Path.home() / ".cache" / "esbatch"))
         lib = cache / f"noise-{tag[:16]}.so"
         if not lib.exists():
@@ -208,14 +215,35 @@ def _cpu_kernel() -> Any:
             tmp = lib.with_suffix(f".tmp{os.getpid()}")
             subprocess.run([cc, *CPU_FLAGS, str(CPU_SOURCE), "-o", str(tmp)], capture_output=True, check=True)
             os.replace(tmp, lib)  # atomic: ranks building at once all load a whole file
-        fn = ctypes.CDLL(str(lib)).esbatch_noise
+        dll = ctypes.CDLL(str(lib))
     except (OSError, subprocess.CalledProcessError) as e:
         warnings.warn(f"esbatch noise: no C kernel ({e}); drawing CPU noise with eager torch (slower)", stacklevel=2)
         return None
-    fn.restype = None
-    u64, i64, u32, ptr = ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p
-    fn.argtypes = [u64, i64, u32, u32, ptr, ctypes.c_int, ptr]
-    return fn
+    u64, i64, u32, ptr, int_ = ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int
+    dll.esbatch_noise.restype = None
+    dll.esbatch_noise.argtypes = [u64, i64, u32, u32, ptr, int_, int_, ptr]  # start count k0 k1 table kind simd out
+    dll.esbatch_gauss_words.restype = None
+    dll.esbatch_gauss_words.argtypes = [ptr, i64, ptr, int_, ptr]  # words n table simd out
+    dll.esbatch_noise_simd.restype = int_
+    dll.esbatch_noise_simd.argtypes = []
+    return dll
+
+
+def cpu_simd() -> bool:
+    """Whether CPU draws take the C kernel's AVX2 path here (an x86-64 CPU with AVX2, and CPU_SIMD on)."""
+    lib = _cpu_lib()
+    return lib is not None and CPU_SIMD and bool(lib.esbatch_noise_simd())
+
+
+def gauss_words(words: np.ndarray, simd: bool = True) -> np.ndarray:
+    """fp32 eps of given 32-bit words by the C kernel's Gaussian transform (tests: words at octave edges)."""
+    lib = _cpu_lib()
+    if lib is None:
+        raise RuntimeError("esbatch noise: no C kernel (no C compiler, or ESBATCH_NOISE_FAST=0)")
+    w = np.ascontiguousarray(words, dtype=np.uint32)
+    out = np.empty(w.shape, dtype=np.float32)
+    lib.esbatch_gauss_words(w.ctypes.data, w.size, _table_np().ctypes.data, int(simd), out.ctypes.data)
+    return out
 
 
 @functools.cache
@@ -243,11 +271,12 @@ def _draw_fast(
 ) -> torch.Tensor | None:
     """The fast path of ``draw``: the C kernel on the CPU, compiled torch elsewhere; None when there is none."""
     if device.type == "cpu":
-        fn = _cpu_kernel()
-        if fn is None:
+        lib = _cpu_lib()
+        if lib is None:
             return None
+        fn = lib.esbatch_noise
         out = torch.empty(count, dtype=torch.float32)
-        args = (key & _MASK32, key >> 32, _table(device).data_ptr(), 0 if gauss else 1)  # the table: int32
+        args = (key & _MASK32, key >> 32, _table(device).data_ptr(), 0 if gauss else 1, int(CPU_SIMD))  # int32 table
         parts = min(torch.get_num_threads(), count // PARALLEL_MIN) if count >= 2 * PARALLEL_MIN else 1
         if parts <= 1:
             fn(start, count, *args, out.data_ptr())

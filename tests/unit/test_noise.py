@@ -4,12 +4,14 @@ table's provenance, chunked movers against one-pass math, and the legacy generat
 
 import hashlib
 import math
+import platform
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from noise_reference import eps as ref_eps
-from noise_reference import philox4x32_10, table
+from noise_reference import half_normal, philox4x32_10, table
 
 from esbatch.perturb import noise as N
 from esbatch.perturb import weights_for
@@ -69,6 +71,54 @@ def test_draw_is_bit_equal_to_the_numpy_reference(noise, kind, fast):
         for start, count in SPANS:
             got = draw(9, name, start, count, "cpu", noise, fast=fast).numpy()
             assert np.array_equal(_bits(got), _bits(ref_eps(9, name, start, count, tab, kind))), (name, start, count)
+
+
+@pytest.mark.parametrize("noise,kind", [("philox-gauss", "gauss"), ("philox-rademacher", "rademacher")])
+@pytest.mark.parametrize("simd", [True, False], ids=["avx2", "scalar"])
+def test_both_c_kernel_paths_are_bit_equal_to_the_numpy_reference(noise, kind, simd, monkeypatch):
+    """The kernel's AVX2 path (where the CPU has it) and its scalar path (other CPUs, ragged ends) give the same
+    bits: spans with every start and end residue mod 32 (8 blocks of 4 per AVX2 step) and a long one."""
+    if N._cpu_lib() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(N, "CPU_SIMD", simd)
+    tab = table()
+    spans = [(s, c) for s in range(0, 33, 3) for c in (1, 5, 31, 32, 33, 95)] + [(2**32 * 4 - 61, 200)]
+    spans += [(7, 3 * N.PARALLEL_MIN + 13)]  # several threads when torch has them
+    for start, count in spans:
+        got = draw(5, "w", start, count, "cpu", noise).numpy()
+        assert np.array_equal(_bits(got), _bits(ref_eps(5, "w", start, count, tab, kind))), (start, count)
+
+
+def test_avx2_path_is_taken_where_the_cpu_has_it():
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    if platform.machine() != "x86_64" or "avx2" not in flags or N._cpu_lib() is None:
+        pytest.skip("not an x86-64 CPU with AVX2 and a C compiler")
+    assert N.cpu_simd()
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["avx2", "scalar"])
+def test_c_gaussian_transform_at_octave_edges_equals_the_reference(simd):
+    """Words no Philox draw is likely to hit: every m below 4096 (the direct entries and the first octaves), each
+    power of two +-2 (octave edges, where a rounded float conversion would pick the wrong octave), the largest m,
+    each with both signs."""
+    if N._cpu_lib() is None:
+        pytest.skip("no C compiler here")
+    ms = set(range(4096)) | {2**31 - 1}
+    ms |= {(1 << k) + d for k in range(8, 31) for d in (-2, -1, 0, 1, 2) if (1 << k) + d < 2**31}
+    ms = np.array(sorted(ms), dtype=np.uint64)
+    ms = np.concatenate([ms, np.random.default_rng(1).integers(0, 2**31, 5000).astype(np.uint64)])
+    words = np.concatenate([ms, ms | np.uint64(2**31)])
+    z = half_normal(ms, table())
+    want = np.concatenate([z, -z]).astype(np.float32) * np.float32(2.0**-28)
+    assert np.array_equal(_bits(N.gauss_words(words.astype(np.uint32), simd)), _bits(want))
+
+
+def test_table_is_non_increasing_and_in_int32_range():
+    """The AVX2 interpolation relies on it (T[idx + 1] - T[idx] <= 0 and no 32-bit wrap, noise_cpu.c:gauss8)."""
+    t = np.load(N.TABLE_FILE).astype(np.int64)
+    assert np.all(np.diff(t) <= 0)
+    assert t.min() >= 0 and t.max() < 2**31
+    assert -np.diff(t).min() < 2**26  # so |d| * f < 2^46 for f < 2^20
 
 
 def test_a_chunk_is_the_slice_of_the_whole_tensor():
