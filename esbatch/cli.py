@@ -34,7 +34,7 @@ def _err(msg: str) -> int:
 
 def _train_config(args: argparse.Namespace) -> tuple[Any, Path] | int:
     """The config and run folder of `esbatch train CONFIG` or `esbatch train --resume RUN_DIR`."""
-    from esbatch.config import RESUME_OVERRIDABLE, load_config
+    from esbatch.config import RESUME_OVERRIDABLE, load_config, load_run_config
     from esbatch.train.rundir import RunDir
 
     if not args.resume:
@@ -51,7 +51,7 @@ def _train_config(args: argparse.Namespace) -> tuple[Any, Path] | int:
             f"--set {fixed[0]}: cannot change this on resume (the logged updates depend on it); "
             f"start a new run instead. On resume you may set: {', '.join(sorted(RESUME_OVERRIDABLE))}"
         )
-    cfg = load_config(str(rd.config), args.overrides)
+    cfg = load_run_config(rd.path, args.overrides)  # a folder from before es.noise: legacy-cpu
     if args.overrides:  # atomically: the other ranks of a torchrun job read this file at the same moment
         tmp = rd.config.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(cfg.to_yaml())

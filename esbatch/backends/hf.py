@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from esbatch.backends.base import ESBackend, Generation, Generator, SamplingParams, UpdateStats
-from esbatch.perturb import weights_for
+from esbatch.perturb import DEFAULT_NOISE, weights_for
 from esbatch.perturb.update import UpdateSpec
 
 
@@ -118,10 +118,18 @@ class HFBackend(HFGenerator, ESBackend):
     (in place in the compute dtype), by ``restore`` (es.restore)."""
 
     def __init__(
-        self, model: Any, tokenizer: Any, *, batch_size: int = 64, track_drift: bool = True, restore: str = "exact"
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        batch_size: int = 64,
+        track_drift: bool = True,
+        restore: str = "exact",
+        noise: str = DEFAULT_NOISE,
     ) -> None:
         super().__init__(model, tokenizer, batch_size=batch_size)
-        self.weights = weights_for(dict(model.named_parameters()), restore, track_drift)  # tied weights once
+        params = dict(model.named_parameters())  # tied weights once
+        self.weights = weights_for(params, restore, track_drift, noise)
         self.params, self.master, self.theta0 = self.weights.live, self.weights.master, self.weights.theta0
         self.restore_mode = restore
 
@@ -132,7 +140,12 @@ class HFBackend(HFGenerator, ESBackend):
         m = cfg.model
         model, tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, m.dtype, m.device)
         backend = cls(
-            model, tok, batch_size=cfg.generation.batch_size, track_drift=cfg.tracking.drift, restore=cfg.es.restore
+            model,
+            tok,
+            batch_size=cfg.generation.batch_size,
+            track_drift=cfg.tracking.drift,
+            restore=cfg.es.restore,
+            noise=cfg.es.noise,
         )
         if m.init_weights:  # an earlier stage's weights; theta_0 (drift) stays the base model
             from safetensors.torch import load_file

@@ -40,6 +40,7 @@ import torch
 
 from esbatch import deadlines as watchdog  # the hang hooks the training watchdog runs
 from esbatch.backends.base import ESBackend, Generation, PopulationOutput, SamplingParams, UpdateStats
+from esbatch.perturb.noise import DEFAULT_NOISE
 from esbatch.perturb.update import UpdateSpec
 
 EXTENSION = "esbatch.backends.vllm_worker:ESWorkerExtension"
@@ -135,6 +136,7 @@ class VLLMBackend(ESBackend):
         cuda_graphs: bool = True,
         seed: int = 0,
         track_drift: bool = True,
+        noise: str = DEFAULT_NOISE,  # es.noise (esbatch/perturb/noise.py)
         rpc_timeout_s: float | None = None,
         worker_extension: str = EXTENSION,
     ) -> None:
@@ -190,7 +192,7 @@ class VLLMBackend(ESBackend):
             self._engine_pids += [p.pid for p in multiprocessing.active_children() if p.pid not in before]
         self.prefix_caching = prefix_caching
         self._pool = ThreadPoolExecutor(max_workers=engines) if engines > 1 else None
-        self._rpc_all("es_setup", self.hf_shapes, track_drift)
+        self._rpc_all("es_setup", self.hf_shapes, track_drift, noise)
         self.perturbed = False
 
     @classmethod
@@ -211,6 +213,7 @@ class VLLMBackend(ESBackend):
             cuda_graphs=b.cuda_graphs,
             seed=cfg.run.seed,
             track_drift=cfg.tracking.drift,
+            noise=cfg.es.noise,
             rpc_timeout_s=cfg.run.hang_timeout_s,
             worker_extension=b.worker_extension,
         )

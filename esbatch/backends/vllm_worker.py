@@ -54,7 +54,7 @@ class ESWorkerExtension:
     """Mixed into vLLM's worker class; ``self.model_runner.model`` is the live model."""
 
     @_safe
-    def es_setup(self, hf_shapes: dict[str, list[int]], track_drift: bool) -> dict[str, Any]:
+    def es_setup(self, hf_shapes: dict[str, list[int]], track_drift: bool, noise: str) -> dict[str, Any]:
         from esbatch.backends.layout import hf_views
         from esbatch.perturb.centered import CenteredWeights
 
@@ -62,7 +62,8 @@ class ESWorkerExtension:
         empty = [n for n, p in params.items() if p.numel() == 0]
         if empty:
             raise RuntimeError(f"weights moved out of reach by vLLM (empty parameters): {empty[:3]}")
-        self.es = CenteredWeights(hf_views(params, {n: tuple(s) for n, s in hf_shapes.items()}), track_drift)
+        views = hf_views(params, {n: tuple(s) for n, s in hf_shapes.items()})
+        self.es = CenteredWeights(views, track_drift, noise)  # es.noise: eps drawn on the engine's device
         some = next(iter(self.es.live.values()))
         return {"dtype": str(some.dtype), "device": str(some.device)}
 

@@ -21,6 +21,7 @@ from esbatch.config.run import (
     TrainConfig,
     config_from_dict,
     load_config,
+    load_run_config,
     parse_overrides,
 )
 from esbatch.config.schema import ConfigError, deep_merge, describe, flatten, setting
@@ -46,6 +47,7 @@ __all__ = [
     "describe",
     "flatten",
     "load_config",
+    "load_run_config",
     "parse_overrides",
     "setting",
 ]

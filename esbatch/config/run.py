@@ -30,6 +30,10 @@ from esbatch.config.schema import (
 )
 from esbatch.registry import did_you_mean
 
+# es.noise (esbatch/perturb/noise.py:NOISES; spelled here so reading a config needs no torch)
+NOISES = ("philox-gauss", "philox-rademacher", "legacy-cpu")
+LEGACY_NOISE = "legacy-cpu"
+
 # What a resumed run may change: budgets and bookkeeping, never what the logged updates depend on.
 RESUME_OVERRIDABLE = {
     "run.hang_timeout_s",
@@ -189,6 +193,15 @@ class ESConfig:
         "every perturb/restore cycle stays in the weights (resume replays the cycles). inplace needs backend.name: "
         "hf in one process (run.nproc_per_node: 1).",
         choices=("exact", "inplace"),
+    )
+    noise: str = setting(
+        "philox-gauss",
+        "Generator of the directions eps(seed, tensor name) (esbatch/perturb/noise.py, docs/noise.md). "
+        "philox-gauss: Gaussian from Philox4x32-10 counters and an integer quantile table, drawn in chunks on the "
+        "weights' device and bit-identical on CPU and CUDA and in the hf and vllm backends. philox-rademacher: "
+        "+1/-1 from the same counters. legacy-cpu: torch.randn on a CPU generator (runs made before this key; "
+        "a run folder whose config.yaml lacks it resumes with legacy-cpu).",
+        choices=NOISES,
     )
     updates: int | None = setting(None, "Training budget in updates (set this or `epochs`).", ge=1)
     epochs: float | None = setting(None, "Training budget in epochs over the training split.", gt=0.0)
@@ -606,3 +619,15 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | None = N
     path = find(name_or_path or "quickstart", "config")
     data = deep_merge(read_yaml(path), parse_overrides(overrides))
     return config_from_dict(data, str(path))
+
+
+def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    """The config a run folder recorded (its config.yaml), as its updates were made: a folder written before
+    ``es.noise`` existed has no such key and was trained with the legacy generator, so it gets
+    ``es.noise: legacy-cpu`` rather than the default of new runs."""
+    path = Path(run_dir) / "config.yaml"
+    data = read_yaml(path)
+    es = data.get("es") if isinstance(data.get("es"), dict) else None
+    if es is None or "noise" not in es:
+        data = deep_merge(data, {"es": {"noise": LEGACY_NOISE}})
+    return config_from_dict(deep_merge(data, parse_overrides(overrides)), str(path))

@@ -28,14 +28,14 @@ from esbatch.train.rundir import RunDir, RunFolderError
 def center_at(run: str | Path, t: int, out: str | Path | None = None) -> Path:
     """Write the center of run folder ``run`` after ``t`` updates to ``out`` (default:
     ``<run>/snapshots/center-<t>.safetensors``); returns the file."""
-    from esbatch.config import load_config
+    from esbatch.config import load_run_config
 
     rd = RunDir(run)
     if not rd.exists():
         raise FileNotFoundError(f"{rd.path}: not a run folder (no {RunDir.CONFIG})")
     if t < 0:
         raise ValueError(f"--at {t}: give an update count >= 0")
-    cfg = load_config(str(rd.config))
+    cfg = load_run_config(rd.path)  # the run's own es.noise (legacy-cpu when it predates the key)
     target = Path(out) if out else rd.snapshot(t)
     if cfg.algorithm == "es":
         rd.save_center(rebuild_es_center(cfg, rd, t), t, target)

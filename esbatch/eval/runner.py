@@ -38,13 +38,13 @@ class WeightsSource:
 
 
 def resolve_weights(cfg: EvalConfig) -> WeightsSource:
-    from esbatch.config import load_config
+    from esbatch.config import load_run_config
 
     if cfg.mlflow_run:
         return _from_mlflow(cfg)
     if cfg.checkpoint:
         rd = RunDir(cfg.checkpoint)
-        train_cfg = load_config(str(rd.config))
+        train_cfg = load_run_config(rd.path)  # its es.noise rebuilds its centers
         meta = rd.read_meta()
         if cfg.checkpoint_update is not None:
             center, what = _center_after(rd, train_cfg, cfg.checkpoint_update)

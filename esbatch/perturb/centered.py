@@ -16,14 +16,15 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from esbatch.models import checksum
-from esbatch.perturb.noise import direction
-from esbatch.perturb.update import UpdateSpec, es_update
+from esbatch.perturb.noise import DEFAULT_NOISE, check_noise, draw, eps_device, spans
+from esbatch.perturb.update import UpdateSpec, es_update, flat
 
 
 class CenteredWeights:
     restore_mode = "exact"
 
-    def __init__(self, live: Mapping[str, torch.Tensor], track_drift: bool = True) -> None:
+    def __init__(self, live: Mapping[str, torch.Tensor], track_drift: bool = True, noise: str = DEFAULT_NOISE) -> None:
+        self.noise = check_noise(noise)  # es.noise: the generator of eps (esbatch/perturb/noise.py)
         self.live = dict(live)
         self.master = {n: t.detach().to(torch.float32, copy=True) for n, t in self.live.items()}
         self.theta0 = {n: t.clone() for n, t in self.master.items()} if track_drift else None
@@ -32,13 +33,17 @@ class CenteredWeights:
 
     @torch.no_grad()
     def perturb(self, seed: int, scale: float) -> None:
-        """live <- center + scale * eps(seed), from the center only."""
+        """live <- center + scale * eps(seed), from the center only, chunk by chunk (noise.spans)."""
         if self.perturbed:
             raise RuntimeError("perturb() called on perturbed weights: restore first")
         self.perturbed = True
         for name, p in self.live.items():
-            eps = direction(seed, name, p.shape).to(p.device)
-            p.copy_(eps.mul_(scale).add_(self.master[name]))
+            master = self.master[name].reshape(-1)  # read only: a copy only for a non-contiguous view
+            where = eps_device(self.noise, p.device)
+            with flat(p) as dst:
+                for s, e in spans(p.numel(), self.noise):
+                    eps = draw(seed, name, s, e - s, where, self.noise).to(p.device)
+                    dst[s:e].copy_(eps.mul_(scale).add_(master[s:e]))
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -52,7 +57,7 @@ class CenteredWeights:
         whose compute-dtype value changed)."""
         if self.perturbed:
             raise RuntimeError("update() called on perturbed weights: restore first")
-        l2 = es_update(self.master, spec)
+        l2 = es_update(self.master, spec, self.noise)
         changed = total = 0
         for name, p in self.live.items():
             new = self.master[name].to(p.dtype)

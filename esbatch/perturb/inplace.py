@@ -26,15 +26,16 @@ import torch
 
 from esbatch.models import checksum
 from esbatch.perturb.centered import norm
-from esbatch.perturb.noise import direction
-from esbatch.perturb.update import UpdateSpec, es_update_inplace
+from esbatch.perturb.noise import DEFAULT_NOISE, check_noise, draw, eps_device, spans
+from esbatch.perturb.update import UpdateSpec, es_update_inplace, flat
 
 
 class InplaceWeights:
     restore_mode = "inplace"
     master = None  # no fp32 copy of the center in this mode: the live weights are the center
 
-    def __init__(self, live: Mapping[str, torch.Tensor], track_drift: bool = True) -> None:
+    def __init__(self, live: Mapping[str, torch.Tensor], track_drift: bool = True, noise: str = DEFAULT_NOISE) -> None:
+        self.noise = check_noise(noise)  # es.noise: the generator of eps (esbatch/perturb/noise.py)
         self.live = dict(live)
         self.theta0: dict[str, torch.Tensor] | None = None  # theta_0 in fp32, for drift
         if track_drift:
@@ -52,8 +53,7 @@ class InplaceWeights:
         if self._member is not None:
             raise RuntimeError("perturb() called on perturbed weights: restore first")
         self._member = (seed, scale)
-        for name, p in self.live.items():
-            p.add_(_delta(seed, scale, name, p))
+        self._move(seed, scale, +1)
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -61,9 +61,17 @@ class InplaceWeights:
         if self._member is None:
             return
         seed, scale = self._member
-        for name, p in self.live.items():
-            p.sub_(_delta(seed, scale, name, p))
+        self._move(seed, scale, -1)
         self._member = None
+
+    def _move(self, seed: int, scale: float, sign: int) -> None:
+        """p <- round(p + sign * d), d = round(scale * round(eps)) in p's dtype, chunk by chunk (noise.spans)."""
+        for name, p in self.live.items():
+            where = eps_device(self.noise, p.device)
+            with flat(p) as dst:
+                for s, e in spans(p.numel(), self.noise):
+                    d = draw(seed, name, s, e - s, where, self.noise).to(device=p.device, dtype=p.dtype).mul_(scale)
+                    dst[s:e].add_(d) if sign > 0 else dst[s:e].sub_(d)
 
     @torch.no_grad()
     def update(self, spec: UpdateSpec) -> tuple[float, float]:
@@ -71,7 +79,7 @@ class InplaceWeights:
         whose value changed)."""
         if self._member is not None:
             raise RuntimeError("update() called on perturbed weights: restore first")
-        return es_update_inplace(self.live, spec)
+        return es_update_inplace(self.live, spec, self.noise)
 
     @torch.no_grad()
     def load(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -100,8 +108,3 @@ class InplaceWeights:
         model_bytes = sum(p.numel() * p.element_size() for p in self.live.values())
         theta0_bytes = sum(t.numel() * 4 for t in self.theta0.values()) if self.theta0 is not None else 0
         return {"model_bytes": model_bytes, "master_bytes": 0, "theta0_bytes": theta0_bytes}
-
-
-def _delta(seed: int, scale: float, name: str, p: torch.Tensor) -> torch.Tensor:
-    """scale * eps(seed, name) in p's dtype and device: eps rounded to the dtype, then the product rounded."""
-    return direction(seed, name, p.shape).to(device=p.device, dtype=p.dtype).mul_(scale)

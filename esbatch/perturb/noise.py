@@ -1,16 +1,84 @@
-"""Seeded Gaussian directions, rebuilt on demand from (direction seed, parameter name).
+"""Seeded ES directions eps(seed, tensor name), rebuilt on demand where the tensor lives.
 
-Each tensor gets its own generator seeded with blake2b(f"{seed}/{name}"), so directions are
-independent across tensors (not one stream restarted per tensor), independent of the order in which
-tensors are visited, and identical in every backend that knows the HF parameter names. Noise is
-always drawn on the CPU in fp32, so a seed means the same direction on any device.
+A run records its generator (config ``es.noise``; a run folder written before the key existed is
+``legacy-cpu``, esbatch/config/run.py:load_run_config), so an old run resumes with the directions it was
+trained with while new runs get the counter-based generator.
+
+``philox-gauss`` (the default) and ``philox-rademacher``: eps of element i of tensor ``name`` in direction
+``seed`` is a pure function of (seed, name, i), computed on the tensor's device in chunks of ``CHUNK``
+elements, so no host round trip and no fp32 copy of a whole large tensor:
+
+    key     = tensor_seed(seed, name)  (blake2b, 64 bits) split into two 32-bit words (lo, hi)
+    counter = (i // 4 mod 2^32, i // 4 >> 32, 0, 0)
+    w       = word i % 4 of Philox4x32-10(counter, key)          (Salmon et al. 2011, Random123)
+    gauss:  eps = (-1)^(w >> 31) * z(w & 0x7FFFFFFF)             z: the half-normal quantile below
+    rademacher: eps = -1 if w >> 31 else +1
+
+Bit identity across devices and backends: Philox is 32-bit integer arithmetic, done here in int64 tensors
+without ever overflowing int64 (32x32 products are split into 16-bit halves, ``_mulhilo``), so every device
+computes the same words. The Gaussian transform is integer arithmetic too: z(m) = -Phi^{-1}((m + 0.5) / 2^32)
+is read from a fixed-point table (``TABLE_FILE``, int32, scale 2^28) and interpolated linearly in integers:
+m < 1024 has one entry per m; above, octave k = floor(log2 m) (integer binary search) has 1024 equal sub-bins,
+so with sh = max(k - 10, 0):
+
+    idx = (m >> sh) + 1025 * sh,   f = m & (2^sh - 1),   z = T[idx] + ((T[idx+1] - T[idx]) * f >> sh)
+
+(|T[idx+1] - T[idx]| * f < 2^48: no overflow). The only float operations are one int32 -> fp32 conversion
+(correctly rounded on CPU and CUDA) and a multiplication by 2^-28 (exact), so no FMA contraction, libm or
+compiler flag can change a direction. The table is a committed file (libm differences in regenerating it must
+not silently change directions): ``build_table`` regenerates it from the stdlib's inverse normal CDF and its
+sha256 is checked on load (``TABLE_SHA256``). Table plus interpolation are at most 5.1e-8 from the exact
+quantile (measured), below half an fp32 ulp of eps near 1; the largest |eps| is z(0) = 6.34. Checked element for
+element against an independent numpy implementation (tests/noise_reference.py).
+
+Speed: on the CPU a small C kernel (``CPU_SOURCE``, built on first use with the system compiler and cached,
+run over torch's CPU threads through ctypes) with an AVX2 path chosen at run time (no -march, so one cached
+binary serves every x86-64 CPU sharing the cache) and a scalar path of the same bits (other CPUs, ragged ends,
+``ESBATCH_NOISE_SIMD=0``); on CUDA ``_blocks`` compiled by torch.compile (Triton), untested
+where no GPU was at hand. ``ESBATCH_NOISE_FAST=0``, or no compiler, leaves the eager torch path: the same bits,
+about 100x slower. Figures: benchmarks/noise.py, docs/noise.md.
+
+``legacy-cpu``: the generator of runs made before ``es.noise``: torch.randn on a CPU torch.Generator seeded
+with tensor_seed, fp32, whole tensor at once (torch's CPU normal sampler depends on the tensor's size, so it
+cannot be chunked); callers keep its arithmetic on the CPU, as it was, so old runs resume bit for bit.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
+import os
+import platform
+import subprocess
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
+
+NOISES = ("philox-gauss", "philox-rademacher", "legacy-cpu")  # es.noise
+DEFAULT_NOISE = "philox-gauss"  # new runs
+LEGACY_NOISE = "legacy-cpu"  # runs recorded before es.noise existed
+CHUNK = 1 << 20  # elements of eps materialized at once (4 MiB fp32)
+PARALLEL_MIN = 1 << 16  # CPU: elements per thread below which one thread draws the whole span
+
+PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+PHILOX_ROUNDS = 10
+
+TABLE_FILE = Path(__file__).with_name("gauss_table.npy")
+TABLE_SCALE_BITS = 28  # z in fixed point: round(z * 2^28), max 6.34 * 2^28 < 2^31
+TABLE_DIRECT = 1024  # m < 1024: one entry per m
+TABLE_SUB = 1024  # sub-bins per octave above
+TABLE_OCTAVES = 21  # k = 10 .. 30 (m < 2^31)
+TABLE_LEN = TABLE_DIRECT + TABLE_OCTAVES * (TABLE_SUB + 1)
+TABLE_SHA256 = "572bd90067724e1f83d769adf07c493e55f6700b8f721adb715453f971ce45c6"
+
+_MASK32 = 0xFFFFFFFF
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -21,8 +89,275 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def direction(seed: int, name: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-    """eps for tensor ``name`` of direction ``seed``: standard normal, fp32, on the CPU."""
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(tensor_seed(seed, name))
-    return torch.randn(tuple(shape), generator=gen, dtype=torch.float32)
+def check_noise(noise: str) -> str:
+    if noise not in NOISES:
+        raise ValueError(f"es.noise: unknown noise generator {noise!r}; valid: {', '.join(NOISES)}")
+    return noise
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def table_point(m: int) -> float:
+    """The table's abscissa m -> z = -Phi^{-1}((m + 0.5) / 2^32) in float64 (stdlib)."""
+    from statistics import NormalDist
+
+    return -NormalDist().inv_cdf((m + 0.5) / 2**32)
+
+
+def table_abscissae() -> list[int]:
+    """The m of every table entry: 0..1023, then per octave k = 10..30: (1024 + j) << (k - 10), j = 0..1024."""
+    ms = list(range(TABLE_DIRECT))
+    for sh in range(TABLE_OCTAVES):
+        ms += [(TABLE_SUB + j) << sh for j in range(TABLE_SUB + 1)]
+    return ms
+
+
+def build_table() -> np.ndarray:
+    """The fixed-point half-normal quantile table (what TABLE_FILE holds): int32, round(z * 2^28)."""
+    return np.array([round(table_point(m) * 2**TABLE_SCALE_BITS) for m in table_abscissae()], dtype=np.int32)
+
+
+@functools.cache
+def _table_np() -> np.ndarray:
+    raw = TABLE_FILE.read_bytes()
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != TABLE_SHA256:
+        raise RuntimeError(
+            f"{TABLE_FILE}: sha256 {digest} is not the recorded {TABLE_SHA256}: the Gaussian table changed, so "
+            "every philox-gauss direction would change. Restore the file from git (never regenerate it in place)."
+        )
+    return np.load(TABLE_FILE)
+
+
+@functools.cache
+def _table(device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(_table_np()).to(device)  # int32
+
+
+# ----------------------------------------------------------------------------- philox in int64 tensors
+
+
+def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit words of a * m for a < 2^32 in int64, m a 32-bit constant: every product < 2^48."""
+    t = a * (m & 0xFFFF)
+    s = a * (m >> 16) + (t >> 16)
+    return s >> 16, ((s & 0xFFFF) << 16) | (t & 0xFFFF)
+
+
+def _philox(ctr: list[torch.Tensor], keys: torch.Tensor) -> list[torch.Tensor]:
+    """Philox4x32-10 of the 4 counter words (int64 tensors < 2^32); keys: int64 (rounds, 2), the bumped key of
+    every round (``_round_keys``)."""
+    x0, x1, x2, x3 = ctr
+    for r in range(PHILOX_ROUNDS):
+        hi0, lo0 = _mulhilo(x0, PHILOX_M[0])
+        hi1, lo1 = _mulhilo(x2, PHILOX_M[1])
+        x0, x1, x2, x3 = hi1 ^ x1 ^ keys[r, 0], lo1, hi0 ^ x3 ^ keys[r, 1], lo0
+    return [x0, x1, x2, x3]
+
+
+def _round_keys(key: int) -> list[list[int]]:
+    k0, k1 = key & _MASK32, key >> 32
+    return [[(k0 + r * PHILOX_W[0]) & _MASK32, (k1 + r * PHILOX_W[1]) & _MASK32] for r in range(PHILOX_ROUNDS)]
+
+
+def _gauss(w: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """fp32 eps of 32-bit words w (int64): sign bit and the interpolated half-normal quantile of the rest."""
+    m = w & 0x7FFFFFFF
+    k = torch.zeros_like(m)
+    for step in (16, 8, 4, 2, 1):  # k = floor(log2 m) for m >= 1 (m = 0: k = 0)
+        k = k + step * ((m >> (k + step)) != 0).to(m.dtype)
+    sh = (k - 10).clamp_(min=0)
+    idx = (m >> sh) + (TABLE_SUB + 1) * sh
+    f = m & ((1 << sh) - 1)
+    lo = table[idx]
+    z = lo + (((table[idx + 1] - lo) * f) >> sh)
+    z = torch.where((w >> 31) != 0, -z, z)
+    return z.to(torch.int32).to(torch.float32) * (2.0**-TABLE_SCALE_BITS)
+
+
+def _rademacher(w: torch.Tensor) -> torch.Tensor:
+    return 1.0 - 2.0 * (w >> 31).to(torch.float32)
+
+
+def _blocks(b0: torch.Tensor, nb: int, keys: torch.Tensor, table: torch.Tensor, gauss: bool) -> torch.Tensor:
+    """eps of the 4 * nb elements of blocks b0 .. b0 + nb - 1 (b0: int64 0-d tensor), element order."""
+    block = b0 + torch.arange(nb, dtype=torch.int64, device=keys.device)
+    zero = torch.zeros_like(block)
+    words = _philox([block & _MASK32, block >> 32, zero, zero], keys)
+    eps = [_gauss(w, table) for w in words] if gauss else [_rademacher(w) for w in words]
+    return torch.stack(eps, dim=-1).view(-1)
+
+
+CPU_SOURCE = Path(__file__).with_name("noise_cpu.c")
+# no -march: the AVX2 path is a function-level target chosen at run time, so the cached binary runs on any x86-64
+CPU_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+CPU_SIMD = os.environ.get("ESBATCH_NOISE_SIMD", "1") != "0"  # False: the kernel's scalar path (same bits, slower)
+
+
+@functools.cache
+def _cpu_lib() -> Any:
+    """The C kernel (CPU_SOURCE) as a ctypes library, built once per source and compiler into the user's cache
+    (ESBATCH_NOISE_CACHE, default ~/.cache/esbatch); None (eager torch, the same bits, slower) when no C compiler
+    works or ESBATCH_NOISE_FAST=0."""
+    if os.environ.get("ESBATCH_NOISE_FAST", "1") == "0":
+        return None
+    cc = os.environ.get("CC", "cc")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+        # the architecture too: x86-64 and arm nodes of a cluster may share a home folder (and a compiler banner)
+        key = [version, " ".join(CPU_FLAGS), platform.machine()]
+        tag = hashlib.sha256(CPU_SOURCE.read_bytes() + "\n".join(key).encode()).hexdigest()
+        cache = Path(os.environ.get("ESBATCH_NOISE_CACHE", Path.home() / ".cache" / "esbatch"))
+        lib = cache / f"noise-{tag[:16]}.so"
+        if not lib.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            tmp = lib.with_suffix(f".tmp{os.getpid()}")
+            subprocess.run([cc, *CPU_FLAGS, str(CPU_SOURCE), "-o", str(tmp)], capture_output=True, check=True)
+            os.replace(tmp, lib)  # atomic: ranks building at once all load a whole file
+        dll = ctypes.CDLL(str(lib))
+    except (OSError, subprocess.CalledProcessError) as e:
+        warnings.warn(f"esbatch noise: no C kernel ({e}); drawing CPU noise with eager torch (slower)", stacklevel=2)
+        return None
+    u64, i64, u32, ptr, int_ = ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int
+    dll.esbatch_noise.restype = None
+    dll.esbatch_noise.argtypes = [u64, i64, u32, u32, ptr, int_, int_, ptr]  # start count k0 k1 table kind simd out
+    dll.esbatch_gauss_words.restype = None
+    dll.esbatch_gauss_words.argtypes = [ptr, i64, ptr, int_, ptr]  # words n table simd out
+    dll.esbatch_noise_simd.restype = int_
+    dll.esbatch_noise_simd.argtypes = []
+    return dll
+
+
+def cpu_simd() -> bool:
+    """Whether CPU draws take the C kernel's AVX2 path here (an x86-64 CPU with AVX2, and CPU_SIMD on)."""
+    lib = _cpu_lib()
+    return lib is not None and CPU_SIMD and bool(lib.esbatch_noise_simd())
+
+
+def gauss_words(words: np.ndarray, simd: bool = True) -> np.ndarray:
+    """fp32 eps of given 32-bit words by the C kernel's Gaussian transform (tests: words at octave edges)."""
+    lib = _cpu_lib()
+    if lib is None:
+        raise RuntimeError("esbatch noise: no C kernel (no C compiler, or ESBATCH_NOISE_FAST=0)")
+    w = np.ascontiguousarray(words, dtype=np.uint32)
+    out = np.empty(w.shape, dtype=np.float32)
+    lib.esbatch_gauss_words(w.ctypes.data, w.size, _table_np().ctypes.data, int(simd), out.ctypes.data)
+    return out
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="esbatch-noise")
+
+
+@functools.cache
+def _compiled() -> Any:
+    """_blocks compiled by torch.compile (Triton) for CUDA; None when unavailable or ESBATCH_NOISE_FAST=0."""
+    if os.environ.get("ESBATCH_NOISE_FAST", "1") == "0":
+        return None
+    try:
+        return torch.compile(_blocks, dynamic=True)
+    except Exception as e:  # noqa: BLE001 - any reason compile is unavailable: the eager path gives the same bits
+        warnings.warn(f"esbatch noise: torch.compile unavailable ({e}); drawing noise eagerly (slower)", stacklevel=2)
+        return None
+
+
+_compile_failed: set[str] = set()
+
+
+def _draw_fast(
+    key: int, start: int, count: int, device: torch.device, gauss: bool, keys: torch.Tensor
+) -> torch.Tensor | None:
+    """The fast path of ``draw``: the C kernel on the CPU, compiled torch elsewhere; None when there is none."""
+    if device.type == "cpu":
+        lib = _cpu_lib()
+        if lib is None:
+            return None
+        fn = lib.esbatch_noise
+        out = torch.empty(count, dtype=torch.float32)
+        args = (key & _MASK32, key >> 32, _table(device).data_ptr(), 0 if gauss else 1, int(CPU_SIMD))  # int32 table
+        parts = min(torch.get_num_threads(), count // PARALLEL_MIN) if count >= 2 * PARALLEL_MIN else 1
+        if parts <= 1:
+            fn(start, count, *args, out.data_ptr())
+            return out
+        # torch's CPU threads, as its own ops use them: ctypes releases the GIL, and every element is a pure
+        # function of its index, so any split gives the same bits
+        cuts = [count * i // parts for i in range(parts + 1)]
+        ptr, size = out.data_ptr(), out.element_size()
+        jobs = [(start + a, b - a, *args, ptr + a * size) for a, b in zip(cuts, cuts[1:])]
+        list(_pool(parts).map(lambda job: fn(*job), jobs))
+        return out
+    fn = _compiled() if device.type not in _compile_failed else None
+    if fn is None:
+        return None
+    b0, off = divmod(start, 4)
+    b0t = torch.tensor(b0, dtype=torch.int64, device=device)
+    try:
+        return fn(b0t, (off + count + 3) // 4, keys, _table(device).long(), gauss)[off : off + count]
+    except Exception as e:  # noqa: BLE001 - e.g. no Triton on this machine: eager gives the same bits
+        _compile_failed.add(device.type)
+        warnings.warn(f"esbatch noise: compiling for {device.type} failed ({e}); drawing eagerly", stacklevel=2)
+        return None
+
+
+# ----------------------------------------------------------------------------- the public API
+
+
+def draw(
+    seed: int,
+    name: str,
+    start: int,
+    count: int,
+    device: torch.device | str = "cpu",
+    noise: str = DEFAULT_NOISE,
+    fast: bool = True,
+) -> torch.Tensor:
+    """eps of elements start .. start + count - 1 (row-major) of tensor ``name`` in direction ``seed``: fp32,
+    1-D, on ``device``. A Philox chunk costs O(count) wherever it starts; ``legacy-cpu`` draws the whole prefix
+    on the CPU (it cannot start in the middle), so draw it with ``direction``."""
+    check_noise(noise)
+    if noise == LEGACY_NOISE:
+        gen = torch.Generator(device="cpu").manual_seed(tensor_seed(seed, name))
+        return torch.randn(start + count, generator=gen, dtype=torch.float32)[start:].to(device)
+    device = torch.device(device)
+    if count <= 0:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    key = tensor_seed(seed, name)
+    keys = torch.tensor(_round_keys(key), dtype=torch.int64, device=device)
+    gauss = noise == "philox-gauss"
+    out = _draw_fast(key, start, count, device, gauss, keys) if fast else None
+    if out is None:
+        b0, off = divmod(start, 4)
+        b0t = torch.tensor(b0, dtype=torch.int64, device=device)
+        out = _blocks(b0t, (off + count + 3) // 4, keys, _table(device).long(), gauss)[off : off + count]
+    return out
+
+
+def direction(
+    seed: int,
+    name: str,
+    shape: torch.Size | tuple[int, ...],
+    noise: str = DEFAULT_NOISE,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """eps for tensor ``name`` of direction ``seed``: fp32 of ``shape`` on ``device`` (whole tensor; the weight
+    movers use ``chunks`` instead)."""
+    n = int(np.prod(tuple(shape), dtype=np.int64))
+    if check_noise(noise) == LEGACY_NOISE:
+        gen = torch.Generator(device="cpu").manual_seed(tensor_seed(seed, name))
+        return torch.randn(tuple(shape), generator=gen, dtype=torch.float32).to(device)
+    return draw(seed, name, 0, n, device, noise).view(tuple(shape))
+
+
+def eps_device(noise: str, device: torch.device | str) -> torch.device:
+    """Where eps is drawn and combined for a tensor on ``device``: there, except legacy-cpu (the CPU, as it was)."""
+    return torch.device("cpu") if check_noise(noise) == LEGACY_NOISE else torch.device(device)
+
+
+def spans(numel: int, noise: str, chunk: int = CHUNK) -> Iterator[tuple[int, int]]:
+    """(start, end) element ranges a weight mover handles at once: CHUNK-sized for Philox, the whole tensor for
+    legacy-cpu (its sampler is not chunkable)."""
+    step = max(numel, 1) if check_noise(noise) == LEGACY_NOISE else chunk
+    for s in range(0, numel, step):
+        yield s, min(s + step, numel)

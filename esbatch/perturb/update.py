@@ -3,13 +3,14 @@ center (es.restore: exact), es_update_inplace on the live compute-dtype weights 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from esbatch.perturb.noise import direction
+from esbatch.perturb.noise import DEFAULT_NOISE, draw, eps_device, spans
 
 
 @dataclass(frozen=True)
@@ -46,33 +47,52 @@ class UpdateSpec:
         }
 
 
+@contextmanager
+def flat(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """A 1-D view of ``t``'s elements in row-major order to work on chunk by chunk (a contiguous copy, written
+    back on exit, when ``t`` is a non-contiguous view)."""
+    if t.is_contiguous():
+        yield t.view(-1)
+        return
+    f = t.contiguous().view(-1)
+    yield f
+    t.copy_(f.view(t.shape))
+
+
 @torch.no_grad()
-def es_update(center: Mapping[str, torch.Tensor], spec: UpdateSpec) -> float:
+def es_update(center: Mapping[str, torch.Tensor], spec: UpdateSpec, noise: str = DEFAULT_NOISE) -> float:
     r"""Apply the ES step to the fp32 center in place and return the update's L2 norm.
 
         theta_{t+1} = theta_t + alpha / N * sum_i w_i * eps_i
 
     with w_i the normalized reward of direction i (one-point) or z(+) - z(-) (antithetic), N the
-    population size, and eps_i rebuilt tensor by tensor from (seed_i, name). The sum is accumulated
-    in fp32 and added once per tensor, so small steps are not lost to rounding in a low-precision
-    compute dtype. Directions with w_i == 0 contribute nothing and are skipped.
+    population size, and eps_i rebuilt from (seed_i, name) by generator ``noise`` (es.noise). The sum is
+    accumulated in fp32 and added once per element, so small steps are not lost to rounding in a low-precision
+    compute dtype. Directions with w_i == 0 contribute nothing and are skipped. Philox noise is drawn and summed
+    on the center's device in chunks of noise.CHUNK elements (the same per-element operations as one pass);
+    legacy-cpu sums whole tensors on the CPU, as runs made with it did.
     """
     sq = 0.0
     for name, theta in center.items():
         if theta.dtype != torch.float32:
             raise TypeError(f"{name}: the ES center must be fp32, got {theta.dtype}")
-        acc = torch.zeros(theta.shape, dtype=torch.float32)
-        for seed, w in zip(spec.seeds, spec.weights):
-            if w != 0.0:
-                acc.add_(direction(seed, name, theta.shape), alpha=w)
-        acc.mul_(spec.alpha / spec.n)
-        theta.add_(acc.to(theta.device))
-        sq += float(torch.linalg.vector_norm(acc, dtype=torch.float64)) ** 2  # no float64 copy of the tensor
+        where = eps_device(noise, theta.device)
+        with flat(theta) as dst:
+            for s, e in spans(theta.numel(), noise):
+                acc = torch.zeros(e - s, dtype=torch.float32, device=where)
+                for seed, w in zip(spec.seeds, spec.weights):
+                    if w != 0.0:
+                        acc.add_(draw(seed, name, s, e - s, where, noise), alpha=w)
+                acc.mul_(spec.alpha / spec.n)
+                dst[s:e].add_(acc.to(theta.device))
+                sq += float(torch.linalg.vector_norm(acc, dtype=torch.float64)) ** 2  # no float64 copy
     return sq**0.5
 
 
 @torch.no_grad()
-def es_update_inplace(live: Mapping[str, torch.Tensor], spec: UpdateSpec) -> tuple[float, float]:
+def es_update_inplace(
+    live: Mapping[str, torch.Tensor], spec: UpdateSpec, noise: str = DEFAULT_NOISE
+) -> tuple[float, float]:
     r"""The same ES step computed and added in place in each tensor's own (compute) dtype, as the paper's
     implementation does (App. G.1, "update every engine locally by theta_{t+1} = theta_t + alpha/N sum_i z_i
     eps_i"; ``es.restore: inplace``). Returns (L2 of the step added, fraction of elements whose value changed).
@@ -85,19 +105,24 @@ def es_update_inplace(live: Mapping[str, torch.Tensor], spec: UpdateSpec) -> tup
         step = acc * (alpha / N)        alpha / N is one Python float: one rounding, not divide-then-scale
         p    = p + step
 
-    Unlike es_update, a step below half an ulp of p is lost, which is the paper's behaviour in bfloat16.
+    Unlike es_update, a step below half an ulp of p is lost, which is the paper's behaviour in bfloat16. The
+    order is per element, so computing it chunk by chunk (noise.spans) changes nothing.
     """
     sq = 0.0
     changed = total = 0
     for name, p in live.items():
-        acc = torch.zeros_like(p)
-        for seed, w in zip(spec.seeds, spec.weights):
-            if w != 0.0:
-                acc.add_(direction(seed, name, p.shape).to(device=p.device, dtype=p.dtype).mul_(w))
-        step = acc.mul_(spec.alpha / spec.n)
-        new = p + step  # what p.add_(step) stores, kept apart one tensor at a time to count changed elements
-        changed += int((new != p).sum())
+        where = eps_device(noise, p.device)
+        with flat(p) as dst:
+            for s, e in spans(p.numel(), noise):
+                acc = torch.zeros(e - s, dtype=p.dtype, device=p.device)
+                for seed, w in zip(spec.seeds, spec.weights):
+                    if w != 0.0:
+                        acc.add_(draw(seed, name, s, e - s, where, noise).to(device=p.device, dtype=p.dtype).mul_(w))
+                step = acc.mul_(spec.alpha / spec.n)
+                old = dst[s:e]
+                new = old + step  # what old.add_(step) stores, kept apart to count changed elements
+                changed += int((new != old).sum())
+                old.copy_(new)
+                sq += float(torch.linalg.vector_norm(step, dtype=torch.float64)) ** 2
         total += p.numel()
-        p.copy_(new)
-        sq += float(torch.linalg.vector_norm(step, dtype=torch.float64)) ** 2
     return sq**0.5, changed / total

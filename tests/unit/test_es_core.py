@@ -1,19 +1,17 @@
 """The ES math against explicit, independent computations."""
 
-import hashlib
-
 import numpy as np
 import pytest
 import torch
+from noise_reference import eps_tensor
 
 from esbatch.es.core import Member, direction_weights, draw_population, normalize
 from esbatch.perturb.update import UpdateSpec, es_update
 
 
 def _eps64(seed, name, shape):
-    """Independent rebuild of a direction from the documented recipe, in float64."""
-    s = int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest(), "little") & (2**63 - 1)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(s), dtype=torch.float32).double()
+    """The default generator's direction (es.noise: philox-gauss), from the independent numpy reference."""
+    return eps_tensor(seed, name, tuple(shape)).double()
 
 
 def test_zscore_matches_formula_with_population_std():

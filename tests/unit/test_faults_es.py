@@ -6,11 +6,10 @@
 - generation seeds (and direction seeds) change with the update t and the run seed.
 """
 
-import hashlib
-
 import numpy as np
 import pytest
 import torch
+from noise_reference import eps_tensor
 
 from esbatch.backends.base import ESBackend, Generation, UpdateStats
 from esbatch.config import config_from_dict
@@ -22,9 +21,8 @@ SIGMA = 0.05
 
 
 def _eps(seed, name, shape):
-    """The noise direction of (seed, tensor name), written out (esbatch/perturb/noise.py's contract)."""
-    s = int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest(), "little") & (2**63 - 1)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(s)).double()
+    """The default generator's direction (es.noise: philox-gauss), from the independent numpy reference."""
+    return eps_tensor(seed, name, tuple(shape)).double()
 
 
 def _cfg(model="nobody/no-model", **es):  # a hub id: never loaded by the double

@@ -2,13 +2,12 @@
 
 Explicit computations here model "an operation in bfloat16" as PyTorch defines it on CPU and GPU: the operands
 (a Python scalar rounded to fp32) combined in fp32, the result rounded to bfloat16, one operation at a time.
-Directions are rebuilt from blake2b(seed/name) here, independently of esbatch/perturb/noise.py.
+Directions are rebuilt by the numpy reference (tests/noise_reference.py), independently of esbatch/perturb/noise.py.
 """
-
-import hashlib
 
 import pytest
 import torch
+from noise_reference import eps_tensor
 
 from esbatch.config import ConfigError, config_from_dict
 from esbatch.perturb import UpdateSpec, weights_for
@@ -18,8 +17,8 @@ BF16 = torch.bfloat16
 
 
 def _eps(seed, name, shape):
-    s = int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest(), "little") & (2**63 - 1)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(s))
+    """The default generator's direction (es.noise: philox-gauss), from the independent numpy reference."""
+    return eps_tensor(seed, name, tuple(shape))
 
 
 def _r(x):

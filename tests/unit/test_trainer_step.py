@@ -1,9 +1,8 @@
 """One ES step through the trainer on the tiny model: the center moves by exactly alpha/N sum z_i s_i eps_i."""
 
-import hashlib
-
 import pytest
 import torch
+from noise_reference import eps_tensor
 
 from esbatch.config import config_from_dict
 from esbatch.es.core import normalize
@@ -12,8 +11,8 @@ from esbatch.train.problems import load_problems
 
 
 def _eps(seed, name, shape):
-    s = int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest(), "little") & (2**63 - 1)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(s)).double()
+    """The default generator's direction (es.noise: philox-gauss), from the independent numpy reference."""
+    return eps_tensor(seed, name, tuple(shape)).double()
 
 
 def cfg_for(model_dir, **es):
