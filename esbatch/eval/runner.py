@@ -94,7 +94,7 @@ def _from_mlflow(cfg: EvalConfig) -> WeightsSource:
     """A training run id: use its run folder when it is on this machine, else its final_model artifact."""
     from mlflow.tracking import MlflowClient
 
-    from esbatch.config import load_config
+    from esbatch.config import load_run_config
 
     uri = cfg.tracking.uri or "sqlite:///esbatch-runs/mlflow.db"
     client = MlflowClient(tracking_uri=uri)
@@ -102,7 +102,7 @@ def _from_mlflow(cfg: EvalConfig) -> WeightsSource:
     p = run.data.params
     rd = RunDir(Path(p.get("run.output_dir", "")) / p.get("run.name", ""))
     if rd.center.exists() or (rd.exists() and rd.updates_logged()):  # ES without a center: rebuilt from its log
-        train_cfg = load_config(str(rd.config))
+        train_cfg = load_run_config(rd.path)  # its es.noise rebuilds its centers
         if rd.center.exists() or train_cfg.algorithm == "es":
             meta = {"algorithm": p.get("algorithm", "es"), "tracking_uri": uri, "mlflow_run_id": cfg.mlflow_run}
             return _final_weights(rd, train_cfg, meta)

@@ -91,6 +91,16 @@ def run_eval_task(sd: SweepDir, key: str, progress: bool = False) -> dict[str, A
     return evaluate(cfg, progress=progress)
 
 
+def keep_recorded_noise(cfg: Any, run_dir: Path) -> None:
+    """A resumed run keeps the noise generator its logged updates were drawn with: the plan of a sweep written
+    before ``es.noise`` existed loads with today's default, while its run folder was trained with ``legacy-cpu``
+    (esbatch/config/run.py:load_run_config); replaying that log with another generator would move the center
+    elsewhere without a word."""
+    from esbatch.config import load_run_config
+
+    cfg.es.noise = load_run_config(run_dir).es.noise
+
+
 def run_task(sweep_dir: str | Path, key: str, progress: bool = False) -> dict[str, Any]:
     """Train (or continue) run ``key`` of the sweep in ``sweep_dir`` (or run eval ``key``); returns the
     trainer's (or the eval's) summary."""
@@ -116,8 +126,10 @@ def run_task(sweep_dir: str | Path, key: str, progress: bool = False) -> dict[st
             raise ValueError(f"{cfg.algorithm} runs use one process; set ntasks_per_node: 1 and nodes: 1 for them")
         distributed_env_from_slurm()
     resume = rd.exists()
-    if resume and os.environ.get("RANK", "0") == "0":
-        rd.config.write_text(cfg.to_yaml())  # only budgets/bookkeeping can differ: the key pins the rest
+    if resume:
+        keep_recorded_noise(cfg, rd.path)
+        if os.environ.get("RANK", "0") == "0":
+            rd.config.write_text(cfg.to_yaml())  # only budgets/bookkeeping can differ: the key pins the rest
     print(f"esbatch task: sweep {meta['name']} run {key} ({entry['label']}) resume={resume}", flush=True)
     return train(cfg, rd.path, resume=resume, progress=progress, run_name=entry["label"], tags=tags)
 

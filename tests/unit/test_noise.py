@@ -330,3 +330,23 @@ def test_new_runs_default_to_philox_gauss_and_record_it(tmp_path):
 
     assert ESConfig().noise == N.DEFAULT_NOISE == "philox-gauss" and NOISES == N.NOISES
     assert "noise: philox-gauss" in load_config().to_yaml()
+
+
+def test_a_sweep_task_resuming_a_folder_from_before_es_noise_keeps_its_generator(tmp_path):
+    """A sweep planned before es.noise existed: its plan loads with the new default, but run_task rewrites the
+    run's config.yaml from the plan on resume, so the recorded generator must win (else replay moves the center)."""
+    import yaml
+
+    from esbatch.config import load_config
+    from esbatch.launch.task import keep_recorded_noise
+
+    old = yaml.safe_load(load_config().to_yaml())
+    old["es"].pop("noise")  # a run folder written before the key
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    plan = load_config()
+    assert plan.es.noise == "philox-gauss"
+    keep_recorded_noise(plan, tmp_path)
+    assert plan.es.noise == "legacy-cpu"
+    (tmp_path / "config.yaml").write_text(load_config(overrides=["es.noise=philox-rademacher"]).to_yaml())
+    keep_recorded_noise(plan, tmp_path)
+    assert plan.es.noise == "philox-rademacher"
