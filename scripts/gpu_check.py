@@ -6,7 +6,10 @@
    bf16, the center an fp32 master copy (HFBackend.master), so small updates are not rounded away;
 2. the same with the vLLM backend when vllm is importable;
 3. benchmarks/backends.py on the GPU: rollout tokens/s and the ES overhead ratio (ES update time / time to
-   generate the same rollouts without perturbation) for each backend, side by side.
+   generate the same rollouts without perturbation) for each backend, side by side;
+4. ES noise (docs/noise.md): every tensor of the model drawn on the GPU and on the CPU (C kernel) for both
+   philox generators, compared bit for bit, and benchmarks/noise.py (elements/s vs torch.randn, bytes/s vs
+   copy_ on each device).
 Exits non-zero when there is no NVIDIA GPU or a step fails.
 """
 
@@ -27,6 +30,32 @@ ROOT = Path(__file__).resolve().parents[1]
 def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     print("$ " + " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def noise_identity(model: str, device: str, seeds: tuple[int, ...] = (0, 2**32 - 1)) -> tuple[int, int, list[str]]:
+    """(tensors compared, elements compared, names that differ): eps of every parameter of ``model`` drawn on
+    ``device`` against the same draw on the CPU, for each philox generator and seed. Shapes come from the model's
+    config on the meta device, so no weights are loaded."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from esbatch.models import model_path
+    from esbatch.perturb.noise import direction
+
+    path, revision = model_path(model)
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, revision=revision))
+    tensors = elements = 0
+    bad = []
+    for name, p in net.named_parameters():
+        for noise in ("philox-gauss", "philox-rademacher"):
+            for seed in seeds:
+                here = direction(seed, name, p.shape, noise, device)
+                if not torch.equal(here.cpu(), direction(seed, name, p.shape, noise, "cpu")):
+                    bad.append(f"{name} ({noise}, seed {seed})")
+                tensors += 1
+                elements += p.numel()
+    return tensors, elements, bad
 
 
 def main() -> int:
@@ -101,6 +130,16 @@ def main() -> int:
         )
         print(p.stdout[-4000:])
         ok &= p.returncode == 0 and "| hf |" in p.stdout
+    t0 = time.time()
+    tensors, elements, bad = noise_identity(args.model, "cuda")
+    ok &= not bad
+    print(
+        f"{'ok' if not bad else 'FAILED'}: ES noise on cuda vs cpu: {tensors} tensor draws, {elements / 1e9:.2f}G "
+        f"elements, {len(bad)} differ {bad[:5]} ({time.time() - t0:.0f} s)"
+    )
+    p = run([sys.executable, "benchmarks/noise.py", "--log2n", "26", "--repeat", "5", "--threads", "1"], left())
+    print(p.stdout[-3000:])
+    ok &= p.returncode == 0
     print(f"gpu check {'passed' if ok else 'FAILED'} in {time.time() - start:.0f} s")
     return 0 if ok else 1
 
