@@ -67,6 +67,8 @@ def test_the_wheel_carries_every_builtin_file(installed):
     for folder in ("configs", "evals", "sweeps", "launchers"):
         shipped = {p.name for p in (ROOT / "esbatch" / "builtin" / folder).glob("*.yaml")}
         assert shipped and {f"esbatch/builtin/{folder}/{n}" for n in shipped} <= names, folder
+    # the ES noise: its quantile table, and the C kernel built on first use (without it: eager torch, ~100x slower)
+    assert {"esbatch/perturb/gauss_table.npy", "esbatch/perturb/noise_cpu.c"} <= names
 
 
 def test_the_installed_package_runs_outside_the_checkout(installed):
@@ -118,3 +120,4 @@ def test_the_installed_package_trains(installed, tiny_model_dir):
     p = esbatch(installed, "train", "tiny.yaml", "--no-progress")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "done: 1 updates" in p.stdout and (cwd / "runs" / "r" / "center.safetensors").exists()
+    assert "no C kernel" not in p.stderr and list((cwd / ".cache" / "esbatch").glob("noise-*.so")), p.stderr[-2000:]
