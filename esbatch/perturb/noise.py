@@ -266,9 +266,12 @@ def _compiled() -> Any:
 _compile_failed: set[str] = set()
 
 
-def _draw_fast(
-    key: int, start: int, count: int, device: torch.device, gauss: bool, keys: torch.Tensor
-) -> torch.Tensor | None:
+def _round_key_tensor(key: int, device: torch.device) -> torch.Tensor:
+    """The Philox round keys of ``key`` as the int64 tensor the torch paths (compiled and eager) take."""
+    return torch.tensor(_round_keys(key), dtype=torch.int64, device=device)
+
+
+def _draw_fast(key: int, start: int, count: int, device: torch.device, gauss: bool) -> torch.Tensor | None:
     """The fast path of ``draw``: the C kernel on the CPU, compiled torch elsewhere; None when there is none."""
     if device.type == "cpu":
         lib = _cpu_lib()
@@ -294,7 +297,9 @@ def _draw_fast(
     b0, off = divmod(start, 4)
     b0t = torch.tensor(b0, dtype=torch.int64, device=device)
     try:
-        return fn(b0t, (off + count + 3) // 4, keys, _table(device).long(), gauss)[off : off + count]
+        return fn(b0t, (off + count + 3) // 4, _round_key_tensor(key, device), _table(device).long(), gauss)[
+            off : off + count
+        ]
     except Exception as e:  # noqa: BLE001 - e.g. no Triton on this machine: eager gives the same bits
         _compile_failed.add(device.type)
         warnings.warn(f"esbatch noise: compiling for {device.type} failed ({e}); drawing eagerly", stacklevel=2)
@@ -324,12 +329,12 @@ def draw(
     if count <= 0:
         return torch.zeros(0, dtype=torch.float32, device=device)
     key = tensor_seed(seed, name)
-    keys = torch.tensor(_round_keys(key), dtype=torch.int64, device=device)
     gauss = noise == "philox-gauss"
-    out = _draw_fast(key, start, count, device, gauss, keys) if fast else None
+    out = _draw_fast(key, start, count, device, gauss) if fast else None  # the C kernel needs no key tensor
     if out is None:
         b0, off = divmod(start, 4)
         b0t = torch.tensor(b0, dtype=torch.int64, device=device)
+        keys = _round_key_tensor(key, device)
         out = _blocks(b0t, (off + count + 3) // 4, keys, _table(device).long(), gauss)[off : off + count]
     return out
 
