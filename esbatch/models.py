@@ -326,18 +326,12 @@ def parameter_count(name: str, gguf_file: str | None = None, revision: str | Non
         except Exception:  # noqa: BLE001 - not in the local cache (or no hub client): unknown here
             return None
     files = sorted(folder.glob("*.safetensors"))
-    return sum(safetensors_numel(f) for f in files) if files else None
-
-
-def safetensors_numel(path: str | Path) -> int:
-    """Elements of all tensors of a .safetensors file, from its JSON header (the first 8 + n bytes)."""
-    import json
+    if not files:
+        return None
     import math
 
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    reader = SafetensorsReader(files)  # shapes from the headers only
+    return sum(math.prod(reader.shape(k)) for k in reader.keys())
 
 
 class SafetensorsReader:
