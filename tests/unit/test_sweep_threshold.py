@@ -1,7 +1,7 @@
 """A sweep's threshold phase (paper Figure 4): the planned thr- evals (order, checkpoints, the tau-0 anchor shared
 with the evaluate phase, dependencies on the training), the thresholded checkpoint a task writes or reuses, the
 validation of the section, and the threshold_curve kind's checks. The local end-to-end run is
-tests/integration/test_sweep_threshold.py."""
+tests/integration/test_sweep_threshold_run.py."""
 
 import io
 import json
