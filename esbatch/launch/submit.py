@@ -190,6 +190,17 @@ def format_table(states: list[RunState]) -> str:
     return "\n".join(lines)
 
 
+def _bar_figures(states: list[RunState]) -> tuple[int, int, dict[str, Any]]:
+    """(updates done, updates planned, postfix) for the sweep bar. Only runs count in the bar: an eval's
+    ``done`` counts problems, which summed with updates made the bar read 128 of 32."""
+    runs = [s for s in states if s.kind == "run"]
+    evals = [s for s in states if s.kind == "eval"]
+    post: dict[str, Any] = dict(sorted(Counter(s.state for s in runs).items()))
+    if evals:
+        post["evals"] = f"{sum(s.state == 'finished' for s in evals)}/{len(evals)}"
+    return sum(s.done for s in runs), sum(s.total or 0 for s in runs), post
+
+
 def follow(
     sd: SweepDir, poll_s: float = 2.0, max_poll_s: float = 60.0, until: Callable[[], bool] | None = None
 ) -> None:
@@ -201,15 +212,15 @@ def follow(
     from tqdm.auto import tqdm
 
     states = run_states(sd)
-    bar = tqdm(total=sum(s.total or 0 for s in states), desc=f"sweep {sd.read().get('name')}", unit="upd")
+    bar = tqdm(total=_bar_figures(states)[1], desc=f"sweep {sd.read().get('name')}", unit="upd")
     delay, last, idle = poll_s, None, 0
     try:
         while True:
-            done = sum(s.done for s in states)
-            bar.total = max(bar.total, sum(s.total or 0 for s in states))
+            done, total, post = _bar_figures(states)
+            bar.total = max(bar.total, total)
             bar.n = done
             counts = Counter(s.state for s in states)
-            bar.set_postfix({k: v for k, v in sorted(counts.items())}, refresh=True)
+            bar.set_postfix(post, refresh=True)
             if until is not None and until():
                 break
             idle = 0 if (counts["queued"] or counts["running"]) else idle + 1
@@ -348,15 +359,15 @@ def _throttled_bar(sd: SweepDir) -> Callable[[], None]:
             return
         state["t"] = time.time()
         states = run_states(sd, query_scheduler=False)
+        done, total, post = _bar_figures(states)
         if state["bar"] is None:
-            state["bar"] = tqdm(total=sum(s.total or 0 for s in states), desc="sweep", unit="upd", dynamic_ncols=True)
+            state["bar"] = tqdm(total=total, desc="sweep", unit="upd", dynamic_ncols=True)
         bar = state["bar"]
-        counts = Counter(s.state for s in states)
-        snap = (sum(s.done for s in states), sorted(counts.items()))
+        snap = (done, sorted(post.items()))
         if snap != state.get("last") or sys.stderr.isatty():  # in a log file: one line per change only
             state["last"] = snap
-            bar.n = snap[0]
-            bar.set_postfix(dict(snap[1]), refresh=True)
+            bar.n = done
+            bar.set_postfix(post, refresh=True)
 
     return tick
 

@@ -69,3 +69,18 @@ def test_eval_progress_counts_complete_lines_only(tmp_path):
     (tmp_path / "samples" / "A.jsonl").write_text('{"i": 0}\n{"i": 1}\n{"i": 2')
     (tmp_path / "samples" / "B.jsonl").write_text('{"i": 0}\n')
     assert eval_progress(tmp_path) == 3 and eval_progress(tmp_path / "absent") == 0
+
+
+def test_the_sweep_bar_counts_updates_of_runs_only_and_evals_as_finished_over_planned() -> None:
+    from esbatch.launch.state import RunState
+    from esbatch.launch.submit import _bar_figures
+
+    states = [
+        RunState("a", "ES", "finished", 8, 8, None, None, None, None),
+        RunState("b", "GRPO", "running", 3, 8, None, None, None, None),
+        RunState("ev-1", "ES (eval)", "finished", 96, None, None, None, None, None, "eval"),
+        RunState("ev-2", "GRPO (eval)", "running", 40, None, None, None, None, None, "eval"),
+    ]
+    done, total, post = _bar_figures(states)
+    assert (done, total) == (11, 16)  # before the fix: 147 of 16
+    assert post == {"finished": 1, "running": 1, "evals": "1/2"}
