@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from esbatch.backends.base import ESBackend, Generation, Generator, SamplingParams, UpdateStats
+from esbatch.backends.base import ESBackend, Generation, Generator, PopulationOutput, SamplingParams, UpdateStats
 from esbatch.perturb import DEFAULT_NOISE, weights_for
 from esbatch.perturb.update import UpdateSpec
 
@@ -158,8 +158,6 @@ class HFBackend(HFGenerator, ESBackend):
         from esbatch.models import load_model_and_tokenizer
 
         if getattr(cfg.es, "perturbation", "full") == "lowrank" and cls is HFBackend:
-            from esbatch.backends.hf_lowrank import HFLowRankBackend
-
             return HFLowRankBackend.for_es(cfg)
         m = cfg.model
         model, tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, m.dtype, m.device)
@@ -225,3 +223,46 @@ class HFBackend(HFGenerator, ESBackend):
 
     def memory_report(self) -> dict[str, float]:
         return self.weights.memory_report()
+
+
+class HFLowRankBackend(HFBackend):
+    """HFBackend for ``es.perturbation: lowrank``: rank-r directions (LowRankWeights, esbatch/perturb/lowrank.py)
+    and the whole population generated in batched calls (esbatch/backends/hf_lowrank.py, docs/lowrank.md)."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        batch_size: int = 64,
+        track_drift: bool = True,
+        restore: str = "exact",
+        noise: str = DEFAULT_NOISE,
+        rank: int = 1,
+        vectors: str = "full",
+    ) -> None:
+        from esbatch.backends.hf_lowrank import LowRankPopulation
+
+        if restore != "exact":
+            raise ValueError(
+                f"es.perturbation: lowrank needs es.restore: exact (got {restore}): the batched forward never moves "
+                "the weights, and the update is accumulated on the fp32 center"
+            )
+        self.rank, self.vectors = rank, vectors
+        super().__init__(model, tokenizer, batch_size=batch_size, track_drift=track_drift, restore=restore, noise=noise)
+        self.population = LowRankPopulation(model, self.weights, batch_size)
+
+    def make_weights(self, params: dict[str, torch.Tensor], restore: str, track_drift: bool, noise: str) -> Any:
+        from esbatch.perturb.lowrank import LowRankWeights
+
+        return LowRankWeights(params, track_drift, noise, self.rank, self.vectors)
+
+    @classmethod
+    def es_options(cls, cfg: Any) -> dict[str, Any]:
+        return {**super().es_options(cfg), "rank": cfg.es.rank, "vectors": cfg.es.lowrank_vectors}
+
+    def evaluate_population(
+        self, members: Sequence[tuple[int, float, int]], prompts: Sequence[str], sampling: SamplingParams
+    ) -> PopulationOutput:
+        """All members in batched generate calls, each row carrying its member's perturbation (no perturb/restore)."""
+        return self.population.evaluate(self, members, prompts, sampling)

@@ -42,10 +42,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from esbatch.backends.base import Generation, PopulationOutput, SamplingParams
-from esbatch.backends.hf import HFBackend
+from esbatch.backends.base import PopulationOutput, SamplingParams
 from esbatch.perturb.lowrank import LowRankWeights, factors, is_matrix
-from esbatch.perturb.noise import DEFAULT_NOISE, direction, eps_device
+from esbatch.perturb.noise import direction, eps_device
 
 
 def _is_rmsnorm(module: nn.Module) -> bool:
@@ -72,42 +71,21 @@ class _Batch:
     vec: dict[str, torch.Tensor] = field(default_factory=dict)  # (U, d): s_i eps_i
 
 
-class HFLowRankBackend(HFBackend):
-    """HFBackend with low-rank directions (LowRankWeights) and one batched generation for the whole population."""
+class LowRankPopulation:
+    """The batched low-rank generation of one HF model whose weights follow ``weights`` (a LowRankWeights):
+    which modules carry a perturbation, the hooks that add it, and the generate calls of a population. The
+    backend (esbatch/backends/hf.py:HFLowRankBackend) supplies generation (``gen``: an HFGenerator)."""
 
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        *,
-        batch_size: int = 64,
-        track_drift: bool = True,
-        restore: str = "exact",
-        noise: str = DEFAULT_NOISE,
-        rank: int = 1,
-        vectors: str = "full",
-    ) -> None:
-        if restore != "exact":
-            raise ValueError(
-                f"es.perturbation: lowrank needs es.restore: exact (got {restore}): the batched forward never moves "
-                "the weights, and the update is accumulated on the fp32 center"
-            )
-        self.rank, self.vectors = rank, vectors
-        super().__init__(model, tokenizer, batch_size=batch_size, track_drift=track_drift, restore=restore, noise=noise)
+    def __init__(self, model: nn.Module, weights: LowRankWeights, batch_size: int) -> None:
+        self.model, self.weights, self.batch_size = model, weights, batch_size
+        self.rank = weights.rank
         self.sites = self._sites()
         self._batch: _Batch | None = None
-
-    def make_weights(self, params: dict[str, torch.Tensor], restore: str, track_drift: bool, noise: str) -> Any:
-        return LowRankWeights(params, track_drift, noise, self.rank, self.vectors)
-
-    @classmethod
-    def es_options(cls, cfg: Any) -> dict[str, Any]:
-        return {**super().es_options(cfg), "rank": cfg.es.rank, "vectors": cfg.es.lowrank_vectors}
 
     # ---------------------------------------------------------------- where the perturbation enters
     def _sites(self) -> dict[nn.Module, _Site]:
         """Every module that reads a perturbed parameter; an error naming any perturbed parameter none reads."""
-        names = {id(p): n for n, p in self.params.items()}
+        names = {id(p): n for n, p in self.weights.live.items()}
         moving = set(self.weights.perturbed_names())
 
         def moved(p: Any) -> str | None:
@@ -136,7 +114,7 @@ class HFLowRankBackend(HFBackend):
         batch = _Batch(len(members))
         c = 1.0 / math.sqrt(self.rank)
         for name in self.weights.perturbed_names():
-            p = self.params[name]
+            p = self.weights.live[name]
             if is_matrix(p):
                 fs = [factors(seed, name, p.shape, self.rank, self.weights.noise, p.device) for seed, _, _ in members]
                 batch.a[name] = torch.stack([a.mul_(s * c) for (a, _), (_, s, _) in zip(fs, members)]).to(p.dtype)
@@ -197,17 +175,17 @@ class HFLowRankBackend(HFBackend):
         ]
 
     @torch.no_grad()
-    def evaluate_population(
-        self, members: Sequence[tuple[int, float, int]], prompts: Sequence[str], sampling: SamplingParams
+    def evaluate(
+        self, gen: Any, members: Sequence[tuple[int, float, int]], prompts: Sequence[str], sampling: SamplingParams
     ) -> PopulationOutput:
-        """Every member's responses (direction seed, scale, generation seed) from batched generate calls
-        (module docstring); generation_s is their wall time, perturb_restore_s the time spent drawing factors."""
-        if self.perturbed:
+        """Every member's responses (direction seed, scale, generation seed) from batched generate calls of
+        ``gen`` (module docstring); generation_s is their wall time, perturb_restore_s the time drawing factors."""
+        if self.weights.perturbed:
             raise RuntimeError("evaluate_population() on perturbed weights: restore first")
         out = PopulationOutput([[] for _ in members])
         greedy = sampling.temperature == 0
         # greedy HF decoding takes no num_return_sequences: each prompt is repeated n times here, as HF would
-        gcfg = self.generation_config(replace(sampling, n=1), sample=False)
+        gcfg = gen.generation_config(replace(sampling, n=1), sample=False)
         sampler = None if greedy else _MemberSampler(sampling, [g for _, _, g in members], self.model.device)
         with self._hooked():
             for idx, span in self.calls(len(members), len(prompts), sampling.n):
@@ -216,19 +194,13 @@ class HFLowRankBackend(HFBackend):
                 t1 = time.perf_counter()
                 chunk = [p for _ in idx for p in prompts[span] for _ in range(sampling.n)]
                 procs = [sampler.rows_of(idx)] if sampler else []
-                gens = self.generate_call(chunk, gcfg, sampling, procs)
+                gens = gen.generate_call(chunk, gcfg, sampling, procs)
                 out.perturb_restore_s += t1 - t0
                 out.generation_s += time.perf_counter() - t1
                 per = len(gens) // len(idx)
                 for k, i in enumerate(idx):
                     out.generations[i] += gens[k * per : (k + 1) * per]
         return out
-
-    def generate_members(
-        self, members: Sequence[tuple[int, float, int]], prompts: Sequence[str], sampling: SamplingParams
-    ) -> list[list[Generation]]:
-        """evaluate_population's responses only (benchmarks, tests)."""
-        return self.evaluate_population(members, prompts, sampling).generations
 
 
 class _MemberSampler:

@@ -51,7 +51,8 @@ def factors(
     noise: str = DEFAULT_NOISE,
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A, B) of matrix ``name`` (m x n) in direction ``seed``: fp32 (m, r) and (n, r), unscaled (E = A B^T / sqrt(r))."""
+    """(A, B) of matrix ``name`` (m x n) in direction ``seed``: fp32 (m, r) and (n, r), unscaled
+    (E = A B^T / sqrt(r))."""
     m, n = shape
     where = eps_device(noise, device)
     a = direction(seed, f"{name}#A", (m, rank), noise, where).to(device)

@@ -12,8 +12,7 @@ import torch
 from noise_reference import eps_tensor
 
 from esbatch.backends import SamplingParams
-from esbatch.backends.hf import HFBackend, HFGenerator
-from esbatch.backends.hf_lowrank import HFLowRankBackend
+from esbatch.backends.hf import HFBackend, HFGenerator, HFLowRankBackend
 from esbatch.config import ConfigError, config_from_dict
 from esbatch.config.run import LOWRANK_VECTORS, PERTURBATIONS
 from esbatch.es.trainer import es_step, replay
@@ -97,8 +96,9 @@ def backend_for(kind, tok, rank=2, vectors="full", batch_size=64):
 def test_batched_forward_equals_materialized_members(tok, kind, rank, vectors):
     b = backend_for(kind, tok, rank, vectors)
     ids = torch.randint(5, len(tok), (3, 7), generator=torch.Generator().manual_seed(1))  # 3 rows per member
-    with b._hooked():
-        b._batch = b._prepare(MEMBERS)
+    pop = b.population
+    with pop._hooked():
+        pop._batch = pop._prepare(MEMBERS)
         got = b.model(input_ids=ids.repeat(len(MEMBERS), 1)).logits.view(len(MEMBERS), 3, 7, -1)
     base = b.model(input_ids=ids).logits
     for k, (seed, scale, _) in enumerate(MEMBERS):
@@ -137,8 +137,13 @@ def test_sampled_generations_follow_each_members_own_seed(tok, batch_size):
 
 def test_calls_take_whole_members_or_split_one_like_generate(tok):
     b = backend_for("llama", tok, batch_size=8)
-    assert b.calls(5, 4, 1) == [([0, 1], slice(0, 4)), ([2, 3], slice(0, 4)), ([4], slice(0, 4))]
-    assert b.calls(2, 5, 2) == [([0], slice(0, 4)), ([0], slice(4, 5)), ([1], slice(0, 4)), ([1], slice(4, 5))]
+    assert b.population.calls(5, 4, 1) == [([0, 1], slice(0, 4)), ([2, 3], slice(0, 4)), ([4], slice(0, 4))]
+    assert b.population.calls(2, 5, 2) == [
+        ([0], slice(0, 4)),
+        ([0], slice(4, 5)),
+        ([1], slice(0, 4)),
+        ([1], slice(4, 5)),
+    ]
 
 
 @pytest.mark.parametrize("vectors", LOWRANK_VECTORS)
