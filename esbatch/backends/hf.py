@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from esbatch.backends.base import ESBackend, Generation, Generator, SamplingParams, UpdateStats
+from esbatch.backends.base import ESBackend, Generation, Generator, PopulationOutput, SamplingParams, UpdateStats
 from esbatch.perturb import DEFAULT_NOISE, weights_for
 from esbatch.perturb.update import UpdateSpec
 
@@ -38,43 +38,59 @@ class HFGenerator(Generator):
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    @torch.no_grad()
-    def generate(self, prompts: Sequence[str], sampling: SamplingParams, seed: int) -> list[Generation]:
-        from transformers import GenerationConfig, LogitsProcessorList
+    def generation_config(self, sampling: SamplingParams, *, sample: bool | None = None) -> Any:
+        """The GenerationConfig of ``sampling``: temperature + top_p only (no top-k truncation); ``sample=False``
+        decodes greedily whatever the temperature (the low-rank backend samples in its own logits processor)."""
+        from transformers import GenerationConfig
 
         greedy = sampling.temperature == 0
         n = sampling.n
         if greedy and n > 1:
             raise ValueError("greedy decoding gives one response per prompt; use n=1 or temperature > 0")
-        gcfg = GenerationConfig(
-            do_sample=not greedy,
-            temperature=None if greedy else sampling.temperature,
-            top_p=None if greedy else sampling.top_p,
-            top_k=None if greedy else 0,  # no top-k truncation: sampling is temperature + top_p only
+        do_sample = not greedy if sample is None else sample
+        return GenerationConfig(
+            do_sample=do_sample,
+            temperature=sampling.temperature if do_sample else None,
+            top_p=sampling.top_p if do_sample else None,
+            top_k=0 if do_sample else None,  # no top-k truncation: sampling is temperature + top_p only
             max_new_tokens=sampling.max_new_tokens,
             pad_token_id=self.tok.pad_token_id,
             eos_token_id=self.eos_ids,
             num_return_sequences=n,
         )
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str], sampling: SamplingParams, seed: int) -> list[Generation]:
+        gcfg = self.generation_config(sampling)
         torch.manual_seed(seed)
         out: list[Generation] = []
-        per_call = max(1, self.batch_size // n)  # batch_size counts sequences: n samples of each prompt
+        per_call = max(1, self.batch_size // sampling.n)  # batch_size counts sequences: n samples of each prompt
         for i in range(0, len(prompts), per_call):
-            chunk = list(prompts[i : i + per_call])
-            enc = self.tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(self.model.device)
-            meter = _EntropyMeter(self.eos_ids, sampling.temperature) if sampling.entropy else None
-            seqs = self.model.generate(
-                **enc, generation_config=gcfg, logits_processor=LogitsProcessorList([meter]) if meter else None
-            )
-            ent = meter.means() if meter else None
-            for r, row in enumerate(seqs[:, enc["input_ids"].shape[1] :].tolist()):
-                n_tok = len(row)
-                for k, tok_id in enumerate(row):
-                    if tok_id in self.eos_ids:
-                        n_tok = k + 1
-                        break
-                text = self.tok.decode(row[:n_tok], skip_special_tokens=True)
-                out.append(Generation(text, n_tok, None if ent is None else ent[r], row[:n_tok]))
+            out += self.generate_call(list(prompts[i : i + per_call]), gcfg, sampling)
+        return out
+
+    def generate_call(
+        self, chunk: list[str], gcfg: Any, sampling: SamplingParams, processors: Sequence[Any] = ()
+    ) -> list[Generation]:
+        """One model.generate over ``chunk`` (left-padded together), ``processors`` run after the entropy meter."""
+        from transformers import LogitsProcessorList
+
+        enc = self.tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(self.model.device)
+        meter = _EntropyMeter(self.eos_ids, sampling.temperature) if sampling.entropy else None
+        procs = [p for p in (meter, *processors) if p is not None]
+        seqs = self.model.generate(
+            **enc, generation_config=gcfg, logits_processor=LogitsProcessorList(procs) if procs else None
+        )
+        ent = meter.means() if meter else None
+        out: list[Generation] = []
+        for r, row in enumerate(seqs[:, enc["input_ids"].shape[1] :].tolist()):
+            n_tok = len(row)
+            for k, tok_id in enumerate(row):
+                if tok_id in self.eos_ids:
+                    n_tok = k + 1
+                    break
+            text = self.tok.decode(row[:n_tok], skip_special_tokens=True)
+            out.append(Generation(text, n_tok, None if ent is None else ent[r], row[:n_tok]))
         return out
 
 
@@ -129,29 +145,38 @@ class HFBackend(HFGenerator, ESBackend):
     ) -> None:
         super().__init__(model, tokenizer, batch_size=batch_size)
         params = dict(model.named_parameters())  # tied weights once
-        self.weights = weights_for(params, restore, track_drift, noise)
+        self.weights = self.make_weights(params, restore, track_drift, noise)
         self.params, self.master, self.theta0 = self.weights.live, self.weights.master, self.weights.theta0
         self.restore_mode = restore
+
+    def make_weights(self, params: dict[str, torch.Tensor], restore: str, track_drift: bool, noise: str) -> Any:
+        """The keeper of the live weights (esbatch/perturb); the low-rank backend keeps low-rank directions."""
+        return weights_for(params, restore, track_drift, noise)
 
     @classmethod
     def for_es(cls, cfg: Any) -> HFBackend:
         from esbatch.models import load_model_and_tokenizer
 
+        if getattr(cfg.es, "perturbation", "full") == "lowrank" and cls is HFBackend:
+            return HFLowRankBackend.for_es(cfg)
         m = cfg.model
         model, tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, m.dtype, m.device)
-        backend = cls(
-            model,
-            tok,
-            batch_size=cfg.generation.batch_size,
-            track_drift=cfg.tracking.drift,
-            restore=cfg.es.restore,
-            noise=cfg.es.noise,
-        )
+        backend = cls(model, tok, **cls.es_options(cfg))
         if m.init_weights:  # an earlier stage's weights; theta_0 (drift) stays the base model
             from safetensors.torch import load_file
 
             backend.load_center(load_file(m.init_weights))
         return backend
+
+    @classmethod
+    def es_options(cls, cfg: Any) -> dict[str, Any]:
+        """The constructor's keyword arguments from a validated run config."""
+        return {
+            "batch_size": cfg.generation.batch_size,
+            "track_drift": cfg.tracking.drift,
+            "restore": cfg.es.restore,
+            "noise": cfg.es.noise,
+        }
 
     @classmethod
     def for_inference(cls, model: Any, center: Path | None, batch_size: int) -> HFGenerator:
@@ -198,3 +223,46 @@ class HFBackend(HFGenerator, ESBackend):
 
     def memory_report(self) -> dict[str, float]:
         return self.weights.memory_report()
+
+
+class HFLowRankBackend(HFBackend):
+    """HFBackend for ``es.perturbation: lowrank``: rank-r directions (LowRankWeights, esbatch/perturb/lowrank.py)
+    and the whole population generated in batched calls (esbatch/backends/hf_lowrank.py, docs/lowrank.md)."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        batch_size: int = 64,
+        track_drift: bool = True,
+        restore: str = "exact",
+        noise: str = DEFAULT_NOISE,
+        rank: int = 1,
+        vectors: str = "full",
+    ) -> None:
+        from esbatch.backends.hf_lowrank import LowRankPopulation
+
+        if restore != "exact":
+            raise ValueError(
+                f"es.perturbation: lowrank needs es.restore: exact (got {restore}): the batched forward never moves "
+                "the weights, and the update is accumulated on the fp32 center"
+            )
+        self.rank, self.vectors = rank, vectors
+        super().__init__(model, tokenizer, batch_size=batch_size, track_drift=track_drift, restore=restore, noise=noise)
+        self.population = LowRankPopulation(model, self.weights, batch_size)
+
+    def make_weights(self, params: dict[str, torch.Tensor], restore: str, track_drift: bool, noise: str) -> Any:
+        from esbatch.perturb.lowrank import LowRankWeights
+
+        return LowRankWeights(params, track_drift, noise, self.rank, self.vectors)
+
+    @classmethod
+    def es_options(cls, cfg: Any) -> dict[str, Any]:
+        return {**super().es_options(cfg), "rank": cfg.es.rank, "vectors": cfg.es.lowrank_vectors}
+
+    def evaluate_population(
+        self, members: Sequence[tuple[int, float, int]], prompts: Sequence[str], sampling: SamplingParams
+    ) -> PopulationOutput:
+        """All members in batched generate calls, each row carrying its member's perturbation (no perturb/restore)."""
+        return self.population.evaluate(self, members, prompts, sampling)

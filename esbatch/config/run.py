@@ -33,6 +33,9 @@ from esbatch.registry import did_you_mean
 # es.noise (esbatch/perturb/noise.py:NOISES; spelled here so reading a config needs no torch)
 NOISES = ("philox-gauss", "philox-rademacher", "legacy-cpu")
 LEGACY_NOISE = "legacy-cpu"
+# es.perturbation and es.lowrank_vectors (esbatch/perturb/lowrank.py)
+PERTURBATIONS = ("full", "lowrank")
+LOWRANK_VECTORS = ("full", "frozen")
 
 # What a resumed run may change: budgets and bookkeeping, never what the logged updates depend on.
 RESUME_OVERRIDABLE = {
@@ -202,6 +205,23 @@ class ESConfig:
         "+1/-1 from the same counters. legacy-cpu: torch.randn on a CPU generator (runs made before this key; "
         "a run folder whose config.yaml lacks it resumes with legacy-cpu).",
         choices=NOISES,
+    )
+    perturbation: str = setting(
+        "full",
+        "Shape of each direction (docs/lowrank.md). full: eps(seed, tensor) on every element. lowrank (EGGROLL, "
+        "arXiv 2511.16652): every matrix W (m x n) moves along A B^T / sqrt(r) with A (m x r) and B (n x r) drawn "
+        "by es.noise for the derived names <tensor>#A and <tensor>#B, other tensors by es.lowrank_vectors; the "
+        "whole population is then generated in batched calls (the shared x W computed once, each row adding its "
+        "member's s (x B) A^T / sqrt(r)) and the update alpha/N sum_i w_i A_i B_i^T / sqrt(r) is accumulated in "
+        "fp32. lowrank needs backend.name: hf and es.restore: exact.",
+        choices=PERTURBATIONS,
+    )
+    rank: int = setting(1, "es.perturbation: lowrank: the rank r of each member's perturbation of a matrix.", ge=1)
+    lowrank_vectors: str = setting(
+        "full",
+        "es.perturbation: lowrank: what the tensors that are not matrices (norm weights, biases) get. full: the "
+        "full-rank eps(seed, tensor) of es.perturbation: full; frozen: no perturbation and no update.",
+        choices=LOWRANK_VECTORS,
     )
     updates: int | None = setting(None, "Training budget in updates (set this or `epochs`).", ge=1)
     epochs: float | None = setting(None, "Training budget in epochs over the training split.", gt=0.0)
@@ -508,6 +528,7 @@ class TrainConfig(Schema):
                 "backend holds one model); to split the population over processes set run.nproc_per_node instead"
             )
         restore_errors(self, errors)
+        lowrank_errors(self, errors)
         center_errors(self, errors)
         why = BACKENDS.problem(self.backend.name)
         if why:
@@ -537,6 +558,25 @@ def restore_errors(cfg: TrainConfig, errors: list[str]) -> None:
             f"es.diversity.every: {cfg.es.diversity.every} cannot run with es.restore: inplace: its second pass "
             "perturbs and restores every member again, which in place leaves extra round-off in the weights and "
             "changes the run (replay would not redo it). Use es.diversity.every: 0, or es.restore: exact"
+        )
+
+
+def lowrank_errors(cfg: TrainConfig, errors: list[str]) -> None:
+    """es.perturbation: lowrank only where the batched low-rank forward exists (the HF backend, exact restore)."""
+    trains_es = cfg.algorithm == "es" or (cfg.algorithm == "pipeline" and "es" in cfg.pipeline.stages)
+    if not trains_es or cfg.es.perturbation != "lowrank":
+        return
+    if cfg.backend.name != "hf":
+        errors.append(
+            f"es.perturbation: lowrank runs on backend.name: hf only (got {cfg.backend.name}): the batched low-rank "
+            f"forward is built into the HF backend, not into {cfg.backend.name} engines. Use backend.name: hf, or "
+            "es.perturbation: full"
+        )
+    if cfg.es.restore != "exact":
+        errors.append(
+            f"es.perturbation: lowrank needs es.restore: exact (got {cfg.es.restore}): members are never written "
+            "into the weights (each row adds its own perturbation), and the update is accumulated on the fp32 "
+            "center. Use es.restore: exact, or es.perturbation: full"
         )
 
 

@@ -1,0 +1,162 @@
+"""Rollout throughput of low-rank ES (es.perturbation: lowrank) vs full-rank ES vs plain inference, side by side.
+
+For each N and r: the same N x B rollouts (B prompts, N members, a fixed generation length: min_new_tokens =
+max_new_tokens, so every side generates exactly N x B x tokens tokens) generated three ways, in one process:
+
+    lowrank    HFLowRankBackend.evaluate_population: all N x B sequences in generate calls of up to
+               --gen-batch rows (default N x B: one call), each row adding its member's rank-r perturbation
+    full       HFBackend.evaluate_population: per member perturb, generate its B prompts, restore (N calls)
+    inference  HFGenerator.generate over the N x B prompts with fixed weights (calls of --gen-batch rows)
+
+Times are wall seconds of the generation itself (plus factor drawing / perturb+restore, which the ES sides
+report apart); each side is warmed up once first. Full-rank and inference do not depend on r and are measured
+once per N.
+
+    python benchmarks/lowrank.py                                   # tiny random model (tests/toy.py), N 8,32, r 1,4
+    python benchmarks/lowrank.py --model smollm2 --batch 8 --tokens 32 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def load(args: argparse.Namespace, tmp: str):
+    from esbatch.models import load_model_and_tokenizer
+
+    if args.model == "smollm2":
+        return load_model_and_tokenizer("smollm2-135m-instruct", dtype=args.dtype)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from toy import make_tiny_model
+
+    path = make_tiny_model(Path(tmp) / "tiny", hidden=args.hidden, heads=4)
+    return load_model_and_tokenizer(str(path), dtype=args.dtype)
+
+
+def fixed_length(tokens: int) -> None:
+    """Every generate call of this process makes exactly ``tokens`` new tokens (min_new_tokens = max_new_tokens)."""
+    from esbatch.backends.hf import HFGenerator
+
+    plain = HFGenerator.generation_config
+
+    def forced(self, sampling, **kw):
+        gcfg = plain(self, sampling, **kw)
+        gcfg.min_new_tokens = tokens
+        return gcfg
+
+    HFGenerator.generation_config = forced
+
+
+def timed(fn, *args) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - t0, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    ap.add_argument("--hidden", type=int, default=64, help="tiny model width")
+    ap.add_argument("--n", default="8,32", help="population sizes, comma-separated")
+    ap.add_argument("--ranks", default="1,4", help="low-rank r values, comma-separated")
+    ap.add_argument("--batch", type=int, default=4, help="B: prompts per member")
+    ap.add_argument("--tokens", type=int, default=16, help="generated tokens per rollout (fixed)")
+    ap.add_argument("--gen-batch", type=int, default=0, help="rows per generate call (0 = N x B)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args()
+
+    import torch
+
+    from esbatch.backends import SamplingParams
+    from esbatch.backends.hf import HFBackend, HFGenerator, HFLowRankBackend
+    from esbatch.es.core import draw_population
+
+    torch.set_num_threads(args.threads)
+    fixed_length(args.tokens)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, tok = load(args, tmp)
+        questions = [f"What is {i} + {2 * i + 1}? Answer with a number." for i in range(args.batch)]
+        prompts = [
+            tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+            for q in questions
+        ]
+        rows = []
+        for n in [int(x) for x in args.n.split(",")]:
+            gen_batch = args.gen_batch or n * args.batch
+            members = [
+                (m.seed, 1e-3 * m.sign, m.gen_seed) for m in draw_population(0, 0, n, "one_point", "independent")
+            ]
+            expected = n * args.batch * args.tokens
+
+            full = HFBackend(model, tok, batch_size=args.batch, track_drift=False)
+            full.evaluate_population(members[:1], prompts, sampling)  # warm-up
+            wall, pop = timed(full.evaluate_population, members, prompts, sampling)
+            full_row = {
+                "side": "full",
+                "n": n,
+                "r": "-",
+                "wall_s": wall,
+                "gen_s": pop.generation_s,
+                "move_s": pop.perturb_restore_s,
+            }
+            full_row["tokens"] = sum(g.n_tokens for gens in pop.generations for g in gens)
+            del full
+
+            inf = HFGenerator(model, tok, batch_size=gen_batch)
+            inf.generate(prompts, sampling, 0)  # warm-up
+            wall, gens = timed(inf.generate, prompts * n, sampling, 0)
+            inf_row = {"side": "inference", "n": n, "r": "-", "wall_s": wall, "gen_s": wall, "move_s": 0.0}
+            inf_row["tokens"] = sum(g.n_tokens for g in gens)
+            rows += [full_row, inf_row]
+
+            for r in [int(x) for x in args.ranks.split(",")]:
+                low = HFLowRankBackend(model, tok, batch_size=gen_batch, track_drift=False, rank=r)
+                low.evaluate_population(members[:2], prompts, sampling)  # warm-up
+                wall, pop = timed(low.evaluate_population, members, prompts, sampling)
+                row = {
+                    "side": "lowrank",
+                    "n": n,
+                    "r": r,
+                    "wall_s": wall,
+                    "gen_s": pop.generation_s,
+                    "move_s": pop.perturb_restore_s,
+                }
+                row["tokens"] = sum(g.n_tokens for gens in pop.generations for g in gens)
+                rows.append(row)
+                del low
+            for row in rows:
+                if row["n"] == n and row["tokens"] != expected:
+                    raise RuntimeError(f"{row['side']} N={n} generated {row['tokens']} tokens, expected {expected}")
+        for row in rows:
+            row["tok_per_s"] = row["tokens"] / row["wall_s"]
+        for row in rows:
+            ref = {x["side"]: x["tok_per_s"] for x in rows if x["n"] == row["n"] and x["side"] != "lowrank"}
+            row["vs_full"] = row["tok_per_s"] / ref["full"]
+            row["vs_inference"] = row["tok_per_s"] / ref["inference"]
+
+    name = "SmolLM2-135M-Instruct" if args.model == "smollm2" else f"tiny random Llama (hidden {args.hidden})"
+    print(f"# {name}, {args.dtype}, B={args.batch}, {args.tokens} tokens/rollout, {args.threads} threads")
+    head = ("side", "N", "r", "wall s", "move s", "tokens", "tok/s", "/full", "/infer")
+    print("{:<10} {:>3} {:>2} {:>8} {:>7} {:>7} {:>9} {:>6} {:>7}".format(*head))
+    for x in rows:
+        print(
+            f"{x['side']:<10} {x['n']:>3} {x['r']:>2} {x['wall_s']:>8.2f} {x['move_s']:>7.2f} {x['tokens']:>7} "
+            f"{x['tok_per_s']:>9.1f} {x['vs_full']:>6.2f} {x['vs_inference']:>7.2f}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

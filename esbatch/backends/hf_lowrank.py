@@ -1,0 +1,237 @@
+"""Low-rank ES in the HF backend (``es.perturbation: lowrank``): the whole population in one batched generate.
+
+Member i (direction seed_i, scale s_i) is theta + s_i E_i with E_i = A_i B_i^T / sqrt(r) on every matrix and the
+full-rank eps on the other tensors (esbatch/perturb/lowrank.py). Its rows never see a materialized W + s_i E_i:
+forward hooks add each row's perturbation to the shared, unperturbed output,
+
+    nn.Linear     y = x W^T + b  +  (x B_i) (s_i A_i / sqrt(r))^T  [+ s_i eps_i(bias)]
+    nn.Embedding  y = W[t]       +  (s_i A_i / sqrt(r))[t] B_i^T
+    RMSNorm       y = w * n(x)   +  s_i eps_i(w) * n(x)          n(x) = x / sqrt(mean(x^2) + eps), recomputed
+
+so x W^T (the cost of inference) is computed once for all N x B rows, plus O(r (m + n)) per row and matrix.
+A tied embedding / lm_head is one parameter with one (A, B): the lookup adds rows of s A B^T / sqrt(r), the head
+multiplies by its transpose, as a materialized member would. Tensors of any other module (a 2-D parameter outside
+nn.Linear / nn.Embedding, a 1-D one outside a Linear bias or an RMSNorm) are refused at construction, naming them
+(es.lowrank_vectors: frozen leaves 1-D tensors alone).
+
+Batching: the rows are member-major (member 0's B prompts x sampling.n, then member 1's, ...), so a hook sees its
+input as (U members, rows per member, ...) and uses batched matmuls, no per-row gather. One generate call takes
+as many whole members as generation.batch_size rows hold; a member with more rows than that is split into calls
+of batch_size // n prompts, as HFGenerator.generate splits them.
+
+Sampling seeds: each member keeps its own generation seed. HF decodes greedily here and a logits processor
+samples every member's rows from its own torch.Generator seeded with that member's gen_seed, after HF's own
+temperature and top-p warpers, with HF's softmax + multinomial on that member's rows only. That is the random
+stream HFGenerator.generate(prompts, sampling, gen_seed) consumes for the member alone (torch.manual_seed, then
+one multinomial over its rows per step, continuing across its calls), so a member's responses equal those of the
+materialized member model up to the floating-point difference of the logits (a rounding-level difference: the
+hooks add the perturbation to x W^T instead of multiplying by a rounded W + s E; in bfloat16 the materialized
+weights are also rounded once more). Responses of a fixed (run seed, t) are reproducible. What differs: members
+that finished stay in the batch until the last row ends (padding, no effect on their tokens).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from esbatch.backends.base import PopulationOutput, SamplingParams
+from esbatch.perturb.lowrank import LowRankWeights, factors, is_matrix
+from esbatch.perturb.noise import direction, eps_device
+
+
+def _is_rmsnorm(module: nn.Module) -> bool:
+    """An RMSNorm whose output is weight * x / sqrt(mean(x^2) + eps) (Llama, Qwen2, Mistral, ...)."""
+    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+
+
+@dataclass
+class _Site:
+    """One module whose output a member's perturbation changes, and the parameter names it reads."""
+
+    kind: str  # linear | embedding | rmsnorm
+    weight: str | None = None  # perturbed weight's name (None: frozen or not perturbed)
+    bias: str | None = None
+
+
+@dataclass
+class _Batch:
+    """The members of one generate call: U members x rpm rows each, their scaled factors and vector noise."""
+
+    members: int
+    a: dict[str, torch.Tensor] = field(default_factory=dict)  # (U, m, r): s_i A_i / sqrt(r), compute dtype
+    b: dict[str, torch.Tensor] = field(default_factory=dict)  # (U, n, r): B_i
+    vec: dict[str, torch.Tensor] = field(default_factory=dict)  # (U, d): s_i eps_i
+
+
+class LowRankPopulation:
+    """The batched low-rank generation of one HF model whose weights follow ``weights`` (a LowRankWeights):
+    which modules carry a perturbation, the hooks that add it, and the generate calls of a population. The
+    backend (esbatch/backends/hf.py:HFLowRankBackend) supplies generation (``gen``: an HFGenerator)."""
+
+    def __init__(self, model: nn.Module, weights: LowRankWeights, batch_size: int) -> None:
+        self.model, self.weights, self.batch_size = model, weights, batch_size
+        self.rank = weights.rank
+        self.sites = self._sites()
+        self._batch: _Batch | None = None
+
+    # ---------------------------------------------------------------- where the perturbation enters
+    def _sites(self) -> dict[nn.Module, _Site]:
+        """Every module that reads a perturbed parameter; an error naming any perturbed parameter none reads."""
+        names = {id(p): n for n, p in self.weights.live.items()}
+        moving = set(self.weights.perturbed_names())
+
+        def moved(p: Any) -> str | None:
+            n = names.get(id(p)) if isinstance(p, nn.Parameter) else None
+            return n if n in moving else None
+
+        sites: dict[nn.Module, _Site] = {}
+        for mod in self.model.modules():
+            if isinstance(mod, nn.Linear):
+                sites[mod] = _Site("linear", moved(mod.weight), moved(mod.bias))
+            elif isinstance(mod, nn.Embedding):
+                sites[mod] = _Site("embedding", moved(mod.weight))
+            elif _is_rmsnorm(mod):
+                sites[mod] = _Site("rmsnorm", moved(mod.weight))
+        covered = {n for s in sites.values() for n in (s.weight, s.bias) if n}
+        if missing := sorted(moving - covered):
+            raise ValueError(
+                f"es.perturbation: lowrank cannot carry the perturbation of {missing[:5]} through the batched "
+                "forward: it handles matrices of nn.Linear and nn.Embedding, Linear biases and RMSNorm weights. "
+                "Use es.lowrank_vectors: frozen (1-D tensors unperturbed), or es.perturbation: full"
+            )
+        return {m: s for m, s in sites.items() if s.weight or s.bias}
+
+    def _prepare(self, members: Sequence[tuple[int, float, int]]) -> _Batch:
+        """Scaled factors and vector noise of ``members``, stacked per parameter, in the compute dtype."""
+        batch = _Batch(len(members))
+        c = 1.0 / math.sqrt(self.rank)
+        for name in self.weights.perturbed_names():
+            p = self.weights.live[name]
+            if is_matrix(p):
+                fs = [factors(seed, name, p.shape, self.rank, self.weights.noise, p.device) for seed, _, _ in members]
+                batch.a[name] = torch.stack([a.mul_(s * c) for (a, _), (_, s, _) in zip(fs, members)]).to(p.dtype)
+                batch.b[name] = torch.stack([b for _, b in fs]).to(p.dtype)
+            else:
+                where = eps_device(self.weights.noise, p.device)
+                eps = [direction(seed, name, p.shape, self.weights.noise, where) * s for seed, s, _ in members]
+                batch.vec[name] = torch.stack(eps).to(device=p.device, dtype=p.dtype)
+        return batch
+
+    def _hook(self, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
+        batch, site = self._batch, self.sites[module]
+        if batch is None:
+            return None
+        x, u = args[0], batch.members
+        if x.shape[0] % u:
+            raise RuntimeError(f"low-rank forward: {x.shape[0]} rows do not split into {u} members")
+        y = out.reshape(u, -1, out.shape[-1])
+        if site.kind == "linear":
+            if site.weight:
+                xb = torch.bmm(x.reshape(u, -1, x.shape[-1]), batch.b[site.weight])  # (U, L, r)
+                y = y + torch.bmm(xb, batch.a[site.weight].transpose(1, 2))
+            if site.bias:
+                y = y + batch.vec[site.bias][:, None, :]
+        elif site.kind == "embedding":
+            ids = x.reshape(u, -1, 1)
+            a = batch.a[site.weight]
+            rows = torch.gather(a, 1, ids.expand(-1, -1, a.shape[-1]))  # (U, L, r): rows t of s A / sqrt(r)
+            y = y + torch.bmm(rows, batch.b[site.weight].transpose(1, 2))
+        else:  # rmsnorm
+            h = x.to(torch.float32)
+            h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)).to(x.dtype)
+            y = y + batch.vec[site.weight][:, None, :] * h.reshape(u, -1, h.shape[-1])
+        return y.reshape(out.shape)
+
+    @contextmanager
+    def _hooked(self) -> Iterator[None]:
+        handles = [m.register_forward_hook(self._hook) for m in self.sites]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            self._batch = None
+
+    # ---------------------------------------------------------------- the population
+    def calls(self, n_members: int, n_prompts: int, n: int) -> list[tuple[list[int], slice]]:
+        """The generate calls of a population: (members, prompt slice) each, rows = len(members) x prompts x n."""
+        rows = n_prompts * n
+        if rows <= self.batch_size:
+            per = self.batch_size // rows
+            return [(list(range(i, min(i + per, n_members))), slice(0, n_prompts)) for i in range(0, n_members, per)]
+        per_call = max(1, self.batch_size // n)
+        return [
+            ([i], slice(s, min(s + per_call, n_prompts)))
+            for i in range(n_members)
+            for s in range(0, n_prompts, per_call)
+        ]
+
+    @torch.no_grad()
+    def evaluate(
+        self, gen: Any, members: Sequence[tuple[int, float, int]], prompts: Sequence[str], sampling: SamplingParams
+    ) -> PopulationOutput:
+        """Every member's responses (direction seed, scale, generation seed) from batched generate calls of
+        ``gen`` (module docstring); generation_s is their wall time, perturb_restore_s the time drawing factors."""
+        if self.weights.perturbed:
+            raise RuntimeError("evaluate_population() on perturbed weights: restore first")
+        out = PopulationOutput([[] for _ in members])
+        greedy = sampling.temperature == 0
+        # greedy HF decoding takes no num_return_sequences: each prompt is repeated n times here, as HF would
+        gcfg = gen.generation_config(replace(sampling, n=1), sample=False)
+        sampler = None if greedy else _MemberSampler(sampling, [g for _, _, g in members], self.model.device)
+        with self._hooked():
+            for idx, span in self.calls(len(members), len(prompts), sampling.n):
+                t0 = time.perf_counter()
+                self._batch = self._prepare([members[i] for i in idx])
+                t1 = time.perf_counter()
+                chunk = [p for _ in idx for p in prompts[span] for _ in range(sampling.n)]
+                procs = [sampler.rows_of(idx)] if sampler else []
+                gens = gen.generate_call(chunk, gcfg, sampling, procs)
+                out.perturb_restore_s += t1 - t0
+                out.generation_s += time.perf_counter() - t1
+                per = len(gens) // len(idx)
+                for k, i in enumerate(idx):
+                    out.generations[i] += gens[k * per : (k + 1) * per]
+        return out
+
+
+class _MemberSampler:
+    """Samples each member's rows from the member's own generator (module docstring): HF's temperature and top-p
+    warpers, softmax, multinomial, then every other token is masked so HF's greedy step picks the sample."""
+
+    def __init__(self, sampling: SamplingParams, gen_seeds: Sequence[int], device: Any) -> None:
+        from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+        self.warpers: list[Any] = []
+        if sampling.temperature != 1.0:  # as HF adds them (generation/utils.py:_get_logits_processor)
+            self.warpers.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=sampling.top_p, min_tokens_to_keep=1))
+        dev = torch.device(device)
+        self.gens = [torch.Generator(device=dev).manual_seed(int(g)) for g in gen_seeds]
+        self.members: list[int] = []
+
+    def rows_of(self, members: list[int]) -> _MemberSampler:
+        """This sampler for a generate call over ``members`` (in row order)."""
+        self.members = members
+        return self
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for w in self.warpers:
+            scores = w(input_ids, scores)
+        probs = nn.functional.softmax(scores, dim=-1)
+        per = probs.shape[0] // len(self.members)
+        picks = [
+            torch.multinomial(probs[k * per : (k + 1) * per], num_samples=1, generator=self.gens[i])
+            for k, i in enumerate(self.members)
+        ]
+        mask = torch.full_like(scores, float("-inf"))
+        return mask.scatter_(1, torch.cat(picks), 0.0)
