@@ -47,7 +47,6 @@ def test_two_ranks_give_the_single_process_center_bit_for_bit(single, tmp_path, 
     assert steps == list(range(1, UPDATES + 1))
 
 
-
 def test_two_ranks_taking_members_from_the_store_give_the_single_process_center_bit_for_bit(
     single, tmp_path, tiny_model_dir
 ):
@@ -60,6 +59,7 @@ def test_two_ranks_taking_members_from_the_store_give_the_single_process_center_
     assert all(torch.equal(ref[k], got[k]) for k in ref)
     assert _weights(run_dir) == _weights(single)
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["es"]["dispatch"] == "dynamic"
+
 
 def _pids_of_rank(tag: str, rank: int) -> list[int]:
     pids = []
