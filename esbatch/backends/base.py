@@ -9,6 +9,7 @@ A registered backend (esbatch/backends/__init__.py) builds these for each use: `
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from esbatch.backends.dispatch import Claim, dispatch
 from esbatch.perturb.update import UpdateSpec
 
 
@@ -47,9 +49,15 @@ class UpdateStats:
 
 @dataclass
 class PopulationOutput:
-    generations: list[list[Generation]]  # per member, one list of responses (prompt-major)
-    generation_s: float = 0.0  # summed over members (wall time per engine when engines run in parallel)
-    perturb_restore_s: float = 0.0
+    generations: list[list[Generation]]  # per member evaluated, one list of responses (prompt-major)
+    generation_s: float = 0.0  # summed over members (engines in parallel: the population's wall time, less moves)
+    perturb_restore_s: float = 0.0  # engines in parallel: each engine's share
+    idle_s: float = 0.0  # engine-seconds spent waiting for the slowest engine (esbatch/backends/dispatch.py)
+    members: list[int] = field(default_factory=list)  # whose generations, ascending; all, in order, if not given
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            self.members = list(range(len(self.generations)))
 
 
 class Generator(ABC):
@@ -102,26 +110,37 @@ class ESBackend(Generator):
         raise NotImplementedError(f"{cls.__name__} cannot generate from a training module")
 
     def evaluate_population(
-        self, members: Sequence[tuple[int, float, int]], prompts: Sequence[str], sampling: SamplingParams
+        self,
+        members: Sequence[tuple[int, float, int]],
+        prompts: Sequence[str],
+        sampling: SamplingParams,
+        claim: Claim | None = None,
     ) -> PopulationOutput:
         """Responses of each member (direction seed, scale, generation seed): theta = center + scale * eps.
 
-        One member after another here; a backend with several engines overrides this to spread the
-        members over them.
+        ``claim``: evaluate only the members it hands out (indices into ``members``; ranks sharing a population
+        dynamically, esbatch/train/ranks.py), reported in ``members`` of the output. One member after another
+        here; a backend with several engines overrides this to spread the members over them.
         """
-        import time
 
-        out = PopulationOutput([])
-        for seed, scale, gen_seed in members:
+        def work(_: int, i: int) -> tuple[list[Generation], float, float]:
+            seed, scale, gen_seed = members[i]
             t0 = time.perf_counter()
             self.perturb(seed, scale)
             t1 = time.perf_counter()
-            out.generations.append(self.generate(prompts, sampling, gen_seed))
+            gens = self.generate(prompts, sampling, gen_seed)
             t2 = time.perf_counter()
             self.restore()
-            out.generation_s += t2 - t1
-            out.perturb_restore_s += (t1 - t0) + (time.perf_counter() - t2)
-        return out
+            return gens, t2 - t1, (t1 - t0) + (time.perf_counter() - t2)
+
+        done = dispatch(claim if claim is not None else range(len(members)), 1, work)
+        res = [done.results[i] for i in done.order]
+        return PopulationOutput(
+            [g for g, _, _ in res],
+            generation_s=sum(s for _, s, _ in res),
+            perturb_restore_s=sum(s for _, _, s in res),
+            members=done.order,
+        )
 
     def checksum(self) -> float | None:
         """A cheap fingerprint of the fp32 center, equal on processes holding equal centers."""

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from esbatch.backends.base import ESBackend, Generation, Generator, PopulationOutput, SamplingParams, UpdateStats
+from esbatch.backends.dispatch import Claim
 from esbatch.perturb import DEFAULT_NOISE, weights_for
 from esbatch.perturb.update import UpdateSpec
 
@@ -262,7 +263,30 @@ class HFLowRankBackend(HFBackend):
         return {**super().es_options(cfg), "rank": cfg.es.rank, "vectors": cfg.es.lowrank_vectors}
 
     def evaluate_population(
-        self, members: Sequence[tuple[int, float, int]], prompts: Sequence[str], sampling: SamplingParams
+        self,
+        members: Sequence[tuple[int, float, int]],
+        prompts: Sequence[str],
+        sampling: SamplingParams,
+        claim: Claim | None = None,
     ) -> PopulationOutput:
-        """All members in batched generate calls, each row carrying its member's perturbation (no perturb/restore)."""
-        return self.population.evaluate(self, members, prompts, sampling)
+        """All members in batched generate calls, each row carrying its member's perturbation (no perturb/restore).
+
+        ``claim`` (ranks sharing the population, es.dispatch: dynamic): this rank takes one generate call's worth
+        of members at a time from it until none is left. Each member samples from its own generator, so how the
+        members are grouped into calls does not change its responses."""
+        if claim is None:
+            return self.population.evaluate(self, members, prompts, sampling)
+        per = self.population.members_per_call(len(prompts), sampling.n)
+        got: dict[int, list[Generation]] = {}
+        gen_s = move_s = 0.0
+        while True:
+            chunk: list[int] = []
+            while len(chunk) < per and (i := claim()) is not None:
+                chunk.append(i)
+            if not chunk:
+                break
+            pop = self.population.evaluate(self, [members[i] for i in chunk], prompts, sampling)
+            got.update(zip(chunk, pop.generations))
+            gen_s, move_s = gen_s + pop.generation_s, move_s + pop.perturb_restore_s
+        order = sorted(got)
+        return PopulationOutput([got[i] for i in order], gen_s, move_s, members=order)

@@ -161,6 +161,10 @@ class LowRankPopulation:
             self._batch = None
 
     # ---------------------------------------------------------------- the population
+    def members_per_call(self, n_prompts: int, n: int) -> int:
+        """How many whole members one generate call holds (1 when a member's rows exceed generation.batch_size)."""
+        return max(1, self.batch_size // (n_prompts * n))
+
     def calls(self, n_members: int, n_prompts: int, n: int) -> list[tuple[list[int], slice]]:
         """The generate calls of a population: (members, prompt slice) each, rows = len(members) x prompts x n."""
         rows = n_prompts * n

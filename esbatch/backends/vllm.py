@@ -2,8 +2,9 @@
 
 Each engine is an ``LLM`` whose worker carries ``ESWorkerExtension`` (esbatch/backends/vllm_worker.py): it
 keeps the fp32 center and perturbs/restores/updates its own weights in place from (seed, scale), so no
-weights cross process boundaries. Member i of an update runs on engine i mod E; engines evaluate their
-members one after another, in parallel with each other; every engine applies the identical update, and
+weights cross process boundaries. Member i of an update runs on engine i mod E (es.dispatch: static), or on
+whichever engine is free first (dynamic, esbatch/backends/dispatch.py); engines evaluate their members one
+after another, in parallel with each other; every engine applies the identical update, and
 their center checksums are compared after it so engines that drifted apart stop the run.
 
 On GPU nodes engine e sees GPU e only (CUDA_VISIBLE_DEVICES, set while it starts). On CPU (the
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 from esbatch import deadlines as watchdog  # the hang hooks the training watchdog runs
+from esbatch.backends import dispatch as dispatching  # the module: es.dispatch names the schedule here
 from esbatch.backends.base import ESBackend, Generation, PopulationOutput, SamplingParams, UpdateStats
 from esbatch.perturb.noise import DEFAULT_NOISE
 from esbatch.perturb.update import UpdateSpec
@@ -139,10 +141,15 @@ class VLLMBackend(ESBackend):
         noise: str = DEFAULT_NOISE,  # es.noise (esbatch/perturb/noise.py)
         rpc_timeout_s: float | None = None,
         worker_extension: str = EXTENSION,
+        dispatch: str = "static",
     ) -> None:
         """``rpc_timeout_s``: run.hang_timeout_s; vLLM's own RPC and forward-pass timeouts are set a minute
         later, behind the training watchdog (module docstring). ``worker_extension``: the ``ESWorkerExtension``
-        subclass mixed into each engine's worker ("package.module:Class")."""
+        subclass mixed into each engine's worker ("package.module:Class"). ``dispatch``: es.dispatch, how members
+        are spread over the engines (esbatch/backends/dispatch.py)."""
+        if dispatch not in dispatching.SCHEDULES:
+            raise ValueError(f"dispatch: {dispatch!r}; valid: {', '.join(dispatching.SCHEDULES)}")
+        self.dispatch = dispatch
         vllm = _import_vllm()
         self.rpc_timeout_s = rpc_timeout_s
         backstop = None if rpc_timeout_s is None else rpc_timeout_s + 60  # vLLM's deadlines: module docstring
@@ -216,6 +223,7 @@ class VLLMBackend(ESBackend):
             noise=cfg.es.noise,
             rpc_timeout_s=cfg.run.hang_timeout_s,
             worker_extension=b.worker_extension,
+            dispatch=cfg.es.dispatch,
         )
         if m.init_weights:
             from safetensors.torch import load_file
@@ -284,33 +292,35 @@ class VLLMBackend(ESBackend):
         ]
 
     def evaluate_population(
-        self, members: Sequence[tuple[int, float, int]], prompts: Sequence[str], sampling: SamplingParams
+        self,
+        members: Sequence[tuple[int, float, int]],
+        prompts: Sequence[str],
+        sampling: SamplingParams,
+        claim: dispatching.Claim | None = None,
     ) -> PopulationOutput:
-        """Member i on engine i mod E; each engine works through its members while the others do theirs."""
-        n_eng = len(self.engines)
+        """The members spread over the engines by ``self.dispatch`` (static: member i on engine i mod E;
+        dynamic: each engine takes the next member when it is free), or taken from ``claim`` by every engine;
+        each engine works through its members while the others do theirs."""
 
-        def run(e: int) -> tuple[list[tuple[int, list[Generation]]], float, float]:
-            done, t_gen, t_move = [], 0.0, 0.0
-            for i in range(e, len(members), n_eng):
-                seed, scale, gen_seed = members[i]
-                t0 = time.perf_counter()
-                self._rpc(e, "es_perturb", seed, scale)
-                t1 = time.perf_counter()
-                gens = self.generate(prompts, sampling, gen_seed, engine=e)
-                t2 = time.perf_counter()
-                self._rpc(e, "es_restore")
-                t_gen, t_move = t_gen + (t2 - t1), t_move + (t1 - t0) + (time.perf_counter() - t2)
-                done.append((i, gens))
-            return done, t_gen, t_move
+        def work(e: int, i: int) -> tuple[list[Generation], float]:
+            seed, scale, gen_seed = members[i]
+            t0 = time.perf_counter()
+            self._rpc(e, "es_perturb", seed, scale)
+            t1 = time.perf_counter()
+            gens = self.generate(prompts, sampling, gen_seed, engine=e)
+            t2 = time.perf_counter()
+            self._rpc(e, "es_restore")
+            return gens, (t1 - t0) + (time.perf_counter() - t2)
 
-        results = list(self._pool.map(run, range(n_eng))) if self._pool else [run(0)]
-        gens: dict[int, list[Generation]] = {}
-        for done, _, _ in results:
-            gens.update(done)
+        items = claim if claim is not None else range(len(members))
+        done = dispatching.dispatch(items, len(self.engines), work, self.dispatch, self._pool)
+        move = sum(done.results[i][1] for i in done.order) / len(self.engines)  # each engine's share, side by side
         return PopulationOutput(
-            [gens[i] for i in range(len(members))],
-            generation_s=max(r[1] for r in results),  # engines run side by side: the slowest one's time
-            perturb_restore_s=max(r[2] for r in results),
+            [done.results[i][0] for i in done.order],
+            generation_s=done.wall_s - move,  # the population's wall time: generation and waiting for the slowest
+            perturb_restore_s=move,
+            idle_s=done.idle_s,
+            members=done.order,
         )
 
     # ---------------------------------------------------------------- weights

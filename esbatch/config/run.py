@@ -223,6 +223,17 @@ class ESConfig:
         "full-rank eps(seed, tensor) of es.perturbation: full; frozen: no perturbation and no update.",
         choices=LOWRANK_VECTORS,
     )
+    dispatch: str = setting(
+        "static",
+        "Which vLLM engine (backend.engines) and which rank (run.nproc_per_node, nodes) evaluates which member. "
+        "static: member i on engine i mod E of rank i mod W, a fixed plan in which one slow engine or rank "
+        "leaves the others idle until it is done. dynamic: a work queue: each engine takes the next member not "
+        "yet taken as soon as it is free, and ranks take them from a counter in the process group's store "
+        "(benchmarks/dispatch.py measures the idle time saved). With es.restore: exact the center is the same "
+        "either way as long as every engine and rank generates the same responses for a member (same hardware "
+        "and software); which rank evaluated which member then varies from run to run.",
+        choices=("static", "dynamic"),
+    )
     updates: int | None = setting(None, "Training budget in updates (set this or `epochs`).", ge=1)
     epochs: float | None = setting(None, "Training budget in epochs over the training split.", gt=0.0)
     diversity: DiversityConfig = field(default_factory=DiversityConfig)

@@ -41,8 +41,9 @@ SINGLE = Ranks()  # one process: no torch.distributed
 def es_step(cfg: Any, backend: ESBackend, probs: Problems, t: int, ranks: Ranks = SINGLE) -> dict[str, Any]:
     """Evaluate the population of update t and apply the update; returns the log record.
 
-    With several ranks each evaluates members rank, rank + W, ...; the rewards are all-gathered and every
-    rank applies the same update (esbatch/train/ranks.py).
+    With several ranks each evaluates members rank, rank + W, ... (es.dispatch: static) or the members it takes
+    from a shared counter (dynamic); the rewards are all-gathered and every rank applies the same update
+    (esbatch/train/ranks.py).
     """
     es, gen = cfg.es, cfg.generation
     sampling = SamplingParams(gen.temperature, gen.top_p, gen.max_new_tokens)
@@ -50,22 +51,28 @@ def es_step(cfg: Any, backend: ESBackend, probs: Problems, t: int, ranks: Ranks 
     epoch, idx = batch_indices(cfg.run.seed, t, n, es.batch_size, schedule_start(n, cfg.run.data_before))
     prompts = [probs.train_prompts[i] for i in idx]
     members = draw_population(cfg.run.seed, t, es.population_size, es.estimator, es.generation_seeds)
-    mine = ranks.mine(len(members))
-    pop = backend.evaluate_population(
-        [(members[i].seed, members[i].sign * es.sigma, members[i].gen_seed) for i in mine], prompts, sampling
-    )
+    scaled = [(m.seed, m.sign * es.sigma, m.gen_seed) for m in members]
+    if es.dispatch == "dynamic" and ranks.world > 1:  # the ranks take members from a shared counter
+        pop = backend.evaluate_population(scaled, prompts, sampling, claim=ranks.claimer(len(members), f"es/{t}"))
+        mine = pop.members
+    else:
+        static = ranks.mine(len(members))
+        pop = backend.evaluate_population([scaled[i] for i in static], prompts, sampling)
+        mine = [static[k] for k in pop.members]
     local, verdicts = {}, {}
     for i, gens in zip(mine, pop.generations):
         verdicts[i] = [probs.task.score(g.text, probs.train[j]) for g, j in zip(gens, idx)]
         scores = [reward_of(v, cfg) for v in verdicts[i]]
         local[i] = (sum(scores) / len(scores), sum(g.n_tokens for g in gens))
+    t0 = time.perf_counter()
     gathered = ranks.gather(len(members), local, width=2)
+    t_wait = time.perf_counter() - t0  # this rank waiting for the others to finish their members
     rewards = [r for r, _ in gathered]
     n_tokens = int(sum(k for _, k in gathered))
     z = normalize(rewards, es.normalization, es.eps_num)
     diversity = None
     if es.diversity.every and t % es.diversity.every == 0:  # before the update: p_i(x) of this population
-        diversity = population_success(cfg, backend, probs, members, idx, verdicts, ranks)
+        diversity = population_success(cfg, backend, probs, members, idx, verdicts, mine, ranks)
     seeds, weights = direction_weights(members, z)
     spec = UpdateSpec(seeds, weights, es.alpha, es.population_size)
     t0 = time.perf_counter()
@@ -78,8 +85,10 @@ def es_step(cfg: Any, backend: ESBackend, probs: Problems, t: int, ranks: Ranks 
         "update/rel_distance_from_theta0": stats.rel_distance,
         "time/generation_s": pop.generation_s,
         "time/perturb_restore_s": pop.perturb_restore_s,
+        "time/engine_idle_s": pop.idle_s,
         "time/update_s": t_upd,
         "time/total_s": pop.generation_s + pop.perturb_restore_s + t_upd,
+        **({"time/rank_wait_s": t_wait} if ranks.world > 1 else {}),
         "tokens/generated": n_tokens,
         "tokens/per_s": n_tokens / pop.generation_s / ranks.world if pop.generation_s else 0.0,  # per rank
         "epoch": epoch,
@@ -119,16 +128,17 @@ def population_success(
     members: list[Member],
     idx: list[int],
     verdicts: dict[int, list[Verdict]],
+    mine: list[int],
     ranks: Ranks = SINGLE,
 ) -> tuple[list[list[float]], float, int]:
     """p_i(x): the share of m = es.diversity.samples responses of member i to prompt x that the verifier scores
     CORRECT, as [members][prompts] in record order, with the seconds and tokens the extra responses took.
 
-    The first of the m is the response the reward was computed from (``verdicts``: this rank's members'); the
-    other m - 1 come from a second pass over this rank's members with sampling.n = m - 1 and diversity_seed.
+    The first of the m is the response the reward was computed from (``verdicts``: those of ``mine``, the
+    members this rank evaluated); the other m - 1 come from a second pass over the same members with
+    sampling.n = m - 1 and diversity_seed.
     """
     es, gen, m = cfg.es, cfg.generation, cfg.es.diversity.samples
-    mine = ranks.mine(len(members))
     hits = {i: [float(v is Verdict.CORRECT) for v in verdicts[i]] for i in mine}
     tokens = dict.fromkeys(mine, 0)
     t0 = time.perf_counter()
@@ -139,7 +149,7 @@ def population_success(
             [probs.train_prompts[j] for j in idx],
             extra,
         )
-        for i, gens in zip(mine, pop.generations):
+        for i, gens in zip([mine[k] for k in pop.members], pop.generations):
             for k, g in enumerate(gens):  # prompt-major: prompt k // (m - 1)
                 x = k // (m - 1)
                 hits[i][x] += float(probs.task.score(g.text, probs.train[idx[x]]) is Verdict.CORRECT)

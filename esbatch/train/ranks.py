@@ -2,7 +2,8 @@
 
 Rank 0 writes the run folder and MLflow; every rank computes. After each update the lifecycle compares a
 checksum of every rank's weights, so ranks that drifted apart stop the run instead of silently training
-different models. ES: member i of an update is evaluated by rank i mod W, and only the N rewards (and token
+different models. ES: member i of an update is evaluated by rank i mod W (es.dispatch: static), or by whichever
+rank takes it first from a counter in the process group's store (dynamic), and only the N rewards (and token
 counts) travel, by one all-gather; every rank applies the identical update itself (App. G.1 does the same
 over eight engines). Rewards are tiny, so ES uses gloo over TCP even on GPU clusters. GRPO: data-parallel
 DeepSpeed ranks (esbatch/grpo/trainer.py initialises the process group).
@@ -11,9 +12,12 @@ DeepSpeed ranks (esbatch/grpo/trainer.py initialises the process group).
 from __future__ import annotations
 
 import datetime
+import math
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -27,8 +31,17 @@ class Ranks:
         return self.rank == 0
 
     def mine(self, n: int) -> list[int]:
-        """Indices of the members this rank evaluates."""
+        """Indices of the members this rank evaluates under es.dispatch: static."""
         return list(range(self.rank, n, self.world))
+
+    def claimer(self, n: int, key: str) -> Callable[[], int | None]:
+        """Members 0..n-1 handed out to whichever rank asks first (es.dispatch: dynamic), by one counter per
+        ``key`` in the process group's store; every rank must use the same key, and a new one per population."""
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank already shares
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun may restart into the same store
+        return store_claim(store, f"esbatch/dispatch/{restart}/{key}", n)
 
     def gather(self, n: int, local: dict[int, Sequence[float]], width: int) -> list[list[float]]:
         """Each member's ``width`` values (reward, tokens, ...) from whichever rank evaluated it, on every rank."""
@@ -42,10 +55,7 @@ class Ranks:
             mine[i] = torch.tensor(list(vals), dtype=torch.float64)
         parts = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(parts, mine)
-        rows = [parts[i % self.world][i].tolist() for i in range(n)]
-        if any(v != v for row in rows for v in row):  # NaN: a rank skipped a member it owned
-            raise RuntimeError("a rank did not report all of its members' rewards")
-        return rows
+        return combine_rows([p.tolist() for p in parts])
 
     def check_in_sync(self, checksum: float | None, t: int) -> None:
         """Stop the run if the ranks' centers differ after update t."""
@@ -94,6 +104,34 @@ class Ranks:
             if ok:
                 dist.barrier()
             dist.destroy_process_group()
+
+
+def store_claim(store: Any, key: str, n: int) -> Callable[[], int | None]:
+    """The next of members 0..n-1 that no process sharing ``store`` has taken yet (None: all taken), from the
+    atomic counter ``key`` (``store.add``). The engine threads of one rank share the client behind a lock."""
+    lock = threading.Lock()
+
+    def claim() -> int | None:
+        with lock:
+            i = int(store.add(key, 1)) - 1
+        return i if i < n else None
+
+    return claim
+
+
+def combine_rows(parts: list[list[list[float]]]) -> list[list[float]]:
+    """Each member's row from the one rank that reported it: ``parts[rank][member]``, NaN where that rank did
+    not evaluate the member. Missing or twice-reported members stop the run (a lost or doubled reward)."""
+    rows = []
+    for i in range(len(parts[0])):
+        by = [r for r, p in enumerate(parts) if not all(math.isnan(v) for v in p[i])]
+        if len(by) != 1:
+            raise RuntimeError(f"member {i} was reported by ranks {by}: every member must be evaluated by exactly one")
+        row = parts[by[0]][i]
+        if any(math.isnan(v) for v in row):
+            raise RuntimeError(f"rank {by[0]} reported member {i} incompletely: {row}")
+        rows.append(row)
+    return rows
 
 
 def collective_timeout_min(cfg: object) -> float:

@@ -47,6 +47,20 @@ def test_two_ranks_give_the_single_process_center_bit_for_bit(single, tmp_path, 
     assert steps == list(range(1, UPDATES + 1))
 
 
+def test_two_ranks_taking_members_from_the_store_give_the_single_process_center_bit_for_bit(
+    single, tmp_path, tiny_model_dir
+):
+    """es.dispatch: dynamic: the ranks take members from a counter in torchrun's store; which rank evaluated
+    which member then varies, the rewards and the center do not."""
+    cfg = str(write_config(tmp_path, tiny_model_dir, "dyn"))
+    finish(esbatch("train", cfg, "--set", "run.nproc_per_node=2", "--set", "es.dispatch=dynamic"))
+    run_dir = tmp_path / "runs" / "dyn"
+    ref, got = center(single), center(run_dir)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert _weights(run_dir) == _weights(single)
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["es"]["dispatch"] == "dynamic"
+
+
 def _pids_of_rank(tag: str, rank: int) -> list[int]:
     pids = []
     for d in Path("/proc").iterdir():

@@ -135,6 +135,20 @@ def test_sampled_generations_follow_each_members_own_seed(tok, batch_size):
     assert [[x.token_ids for x in m] for m in again] == [[x.token_ids for x in m] for m in pop.generations]
 
 
+def test_a_rank_taking_members_from_a_shared_claim_gets_each_members_own_responses(tok):
+    """es.dispatch: dynamic over ranks: a claim hands this rank members 3, 0, 2 (not 1); it evaluates them in
+    calls of whole members and reports them ascending, each with the responses of the unclaimed evaluation."""
+    b = backend_for("llama", tok, rank=1, batch_size=4)  # 2 prompts: 2 members per call
+    prompts = ["1+2=", "x"]
+    sampling = SamplingParams(temperature=0.8, top_p=1.0, max_new_tokens=6)
+    full = b.evaluate_population(MEMBERS, prompts, sampling)
+    handed = iter([3, 0, 2])
+    pop = b.evaluate_population(MEMBERS, prompts, sampling, claim=lambda: next(handed, None))
+    assert pop.members == [0, 2, 3]
+    want = [[x.token_ids for x in full.generations[i]] for i in (0, 2, 3)]
+    assert [[x.token_ids for x in m] for m in pop.generations] == want
+
+
 def test_calls_take_whole_members_or_split_one_like_generate(tok):
     b = backend_for("llama", tok, batch_size=8)
     assert b.population.calls(5, 4, 1) == [([0, 1], slice(0, 4)), ([2, 3], slice(0, 4)), ([4], slice(0, 4))]

@@ -21,14 +21,17 @@ def vllm_tiny(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden=128, heads=2)  # head_dim 64
 
 
-def train(tmp: Path, model: Path, name: str, engines: int) -> Path:
+def train(tmp: Path, model: Path, name: str, engines: int, dispatch: str = "static") -> Path:
     cfg = {
         "run": {"name": name, "seed": 3, "output_dir": str(tmp / "runs")},
         "model": {"name": str(model), "dtype": "float32"},
         "backend": {"name": "vllm", "engines": engines, "kv_cache_gb": 1, "max_model_len": 256},
         "task": {"name": "toy:DigitTask", "params": {"size": 16}, "heldout_size": 4, "few_shot": 1},
         "generation": {"temperature": 1.0, "max_new_tokens": 6},
-        "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02, "batch_size": 4, "updates": 3},
+        "es": {
+            **{"population_size": 4, "sigma": 0.05, "alpha": 0.02, "batch_size": 4, "updates": 3},
+            "dispatch": dispatch,
+        },
         "eval": {"every": 0},
         "tracking": {"experiment": "vllm"},
     }
@@ -46,6 +49,17 @@ def test_two_engines_train_to_the_one_engine_center(tmp_path, vllm_tiny):
     logs = [[yaml.safe_load(x) for x in (d / "log.jsonl").read_text().splitlines()] for d in (one, two)]
     assert [r["rewards"] for r in logs[0]] == [r["rewards"] for r in logs[1]]
     assert any(w != 0 for r in logs[0] for w in r["update_weights"])
+
+
+def test_two_engines_taking_members_from_a_queue_train_to_the_one_engine_center(tmp_path, vllm_tiny):
+    """es.dispatch: dynamic: whichever engine is free takes the next member; the rewards and the center are those
+    of one engine evaluating every member in order."""
+    one, two = train(tmp_path, vllm_tiny, "one", 1), train(tmp_path, vllm_tiny, "dyn", 2, "dynamic")
+    a, b = load_file(one / "center.safetensors"), load_file(two / "center.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    logs = [[yaml.safe_load(x) for x in (d / "log.jsonl").read_text().splitlines()] for d in (one, two)]
+    assert [r["rewards"] for r in logs[0]] == [r["rewards"] for r in logs[1]]
+    assert any(w != 0 for r in logs[1] for w in r["update_weights"])  # the rewards varied: real updates
 
 
 def test_engines_that_drift_apart_stop_the_run(tmp_path, vllm_tiny):
