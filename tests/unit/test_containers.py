@@ -1,5 +1,6 @@
 """The container recipes: Dockerfile and apptainer.def pin the same versions on the same base, and hadolint
-passes on the Dockerfile (the images themselves are built on a cluster, not in these tests)."""
+passes on the Dockerfile (the CPU image is built and run by tests/integration/test_image_build.py, opt-in;
+the CUDA image on a cluster)."""
 
 from __future__ import annotations
 
