@@ -1,16 +1,24 @@
-"""GPU check for a fresh cluster node or container image, in under 5 minutes.
+"""GPU check for a fresh cluster node or container image, in under 8 minutes, ending in one table.
 
     apptainer exec --nv esbatch.sif python scripts/gpu_check.py    # from a checkout of this repository
 
-1. a short ES run (3 updates) through `esbatch train` with the HF backend in bfloat16: the live weights are
-   bf16, the center an fp32 master copy (HFBackend.master), so small updates are not rounded away;
-2. the same with the vLLM backend when vllm is importable;
-3. benchmarks/backends.py on the GPU: rollout tokens/s and the ES overhead ratio (ES update time / time to
-   generate the same rollouts without perturbation) for each backend, side by side;
-4. ES noise (docs/noise.md): every tensor of the model drawn on the GPU and on the CPU (C kernel) for both
-   philox generators, compared bit for bit, and benchmarks/noise.py (elements/s vs torch.randn, bytes/s vs
-   copy_ on each device).
-Exits non-zero when there is no NVIDIA GPU or a step fails.
+1. benchmarks/es_kernels.py: copy bandwidth; noise throughput (philox-gauss, philox-rademacher, torch.randn)
+   against the rate fp32 can be written; one perturb, restore and update (N=8) through CenteredWeights on the
+   model's parameters against the least bytes each must move at that bandwidth; peak device memory of ES
+   (fp32 master, perturb + generate + restore + update) against inference alone;
+2. ES noise (docs/noise.md): every tensor of the model drawn on the GPU and on the CPU (C kernel) for both
+   philox generators and two seeds, compared bit for bit;
+3. a short ES run (3 updates) through `esbatch train` with the HF backend in bfloat16 (the live weights bf16,
+   the center an fp32 master copy, so small updates are not rounded away), and the same with the vLLM backend
+   when vllm is importable;
+4. benchmarks/backends.py: the ES overhead ratio (ES update time / time to generate the same rollouts with
+   fixed weights), split into generation / perturb+restore / update, for each backend.
+Then one markdown table: quantity | measured | bound / reference | ratio | ok. Rows marked ok or FAILED are
+judged (a step that fails, noise that differs, ES memory above inference + its state + workspace); speed rows
+are "info": figures against their bound, which never fail the check. Exits 2 without CUDA, 1 when a row failed.
+
+`--device cpu --model DIR` runs step 1 and the table on the CPU (steps 2-4 marked n/a), so this code path
+runs without a GPU.
 """
 
 from __future__ import annotations
@@ -22,14 +30,31 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.es_kernels import KernelReport, Row, markdown  # noqa: E402
 
 
-def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess | None:
+    """The command's output, or None when it ran past ``timeout`` seconds."""
     print("$ " + " ".join(cmd), flush=True)
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    try:
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"timed out after {timeout:.0f} s", flush=True)
+        return None
+
+
+def tail(p: subprocess.CompletedProcess | None, lines: int = 6) -> str:
+    return "" if p is None else "\n".join((p.stdout + p.stderr).strip().splitlines()[-lines:])
+
+
+def failure(p: subprocess.CompletedProcess | None, timeout: float) -> str:
+    return f"FAILED: timed out after {timeout:.0f} s" if p is None else f"FAILED: exit {p.returncode}"
 
 
 def noise_identity(model: str, device: str, seeds: tuple[int, ...] = (0, 2**32 - 1)) -> tuple[int, int, list[str]]:
@@ -58,89 +83,136 @@ def noise_identity(model: str, device: str, seeds: tuple[int, ...] = (0, 2**32 -
     return tensors, elements, bad
 
 
+def kernel_rows(args: argparse.Namespace, tmp: Path, timeout: float) -> list[Row]:
+    """Step 1 in its own process (its memory high-water mark and compiled kernels stay out of this one)."""
+    out = tmp / "kernels.json"
+    cmd = [sys.executable, "benchmarks/es_kernels.py", "--device", args.device, "--dtype", args.dtype]
+    cmd += ["--model", args.model, "--json", str(out)]
+    if args.device == "cpu":  # a few seconds for a small model; minutes for SmolLM2 on 2 cores
+        cmd += ["--repeat", "3", "--batch", "4", "--tokens", "16", "--copy-log2n", "24"]
+    else:
+        cmd += ["--repeat", "5", "--batch", "16", "--tokens", "128"]
+    p = run(cmd, timeout)
+    if p is None or not out.exists():
+        print(tail(p, 20))
+        return [Row("ES kernels (benchmarks/es_kernels.py)", "not measured", status=failure(p, timeout))]
+    print(p.stdout.strip().splitlines()[0])  # its table is part of the final one
+    return KernelReport(**json.loads(out.read_text())).rows()
+
+
+def es_run_row(args: argparse.Namespace, backend: str, tmp: Path, timeout: float) -> Row:
+    """3 ES updates through `esbatch train` on this backend; the last update's figures."""
+    sets = [
+        f"model.name={args.model}",
+        "model.device=cuda",
+        f"model.dtype={args.dtype}",
+        f"backend.name={backend}",
+        "es.updates=3",
+        "es.population_size=8",
+        "es.batch_size=16",
+        "generation.max_new_tokens=128",
+        "task.heldout_size=16",
+        "eval.every=0",
+        f"run.output_dir={tmp}",
+        f"run.name=gpu-check-{backend}",
+        "backend.gpu_memory_utilization=0.4",
+    ]
+    cmd = [sys.executable, "-m", "esbatch", "train", "quickstart", "--no-progress"]
+    for s in sets:
+        cmd += ["--set", s]
+    p = run(cmd, timeout)
+    print(tail(p))
+    what = f"3 ES updates, {backend} backend, {args.dtype} (fp32 master)"
+    log = tmp / f"gpu-check-{backend}" / "log.jsonl"
+    measured = "no log"
+    if log.exists() and (lines := log.read_text().splitlines()):
+        m = json.loads(lines[-1])["metrics"]
+        measured = (
+            f"last update: reward {m['reward/mean']:.3f}, {m['tokens/per_s']:.0f} tok/s, changed "
+            f"{m['update/changed_fraction']:.4f} of live weights, {m['time/total_s']:.1f} s"
+        )
+    ok = p is not None and p.returncode == 0
+    return Row(what, measured, "exits 0", status="ok" if ok else failure(p, timeout))
+
+
+def overhead_rows(args: argparse.Namespace, backends: list[str], tmp: Path, timeout: float) -> list[Row]:
+    """benchmarks/backends.py: the ES overhead ratio of each backend, N=8 x B=32, 128 new tokens."""
+    out = tmp / "backends.json"
+    cmd = [sys.executable, "benchmarks/backends.py", "--device", "cuda", "--dtype", args.dtype, "--model", args.model]
+    cmd += ["--n", "8", "--batch", "32", "--tokens", "128", "--backends", ",".join(backends), "--json", str(out)]
+    p = run(cmd, timeout)
+    print("" if p is None else p.stdout[-4000:])
+    got = {r["backend"]: r for r in json.loads(out.read_text())} if out.exists() else {}
+    rows = []
+    for name in backends:
+        what = f"ES overhead ratio, {name} (N=8, B=32, 128 tokens)"
+        if name not in got:
+            rows.append(Row(what, "not measured", status=failure(p, timeout) if p is None else "FAILED: no result"))
+            continue
+        r = got[name]
+        rows.append(
+            Row(
+                what,
+                f"ES update {r['es_update_s']:.1f} s = generation {r['es_generation_s']:.1f} + perturb/restore "
+                f"{r['es_perturb_restore_s']:.2f} + update {r['es_update_only_s']:.2f}",
+                f"same rollouts, fixed weights: {r['pure_generation_s']:.1f} s ({r['tokens_per_s']:.0f} tok/s)",
+                r["overhead_ratio"],
+            )
+        )
+    return rows
+
+
+def identity_row(model: str) -> Row:
+    what = "ES noise, CUDA vs CPU kernel, every tensor (2 philox generators x 2 seeds)"
+    import torch
+
+    tensors, elements, bad = noise_identity(model, "cuda")
+    torch.cuda.empty_cache()  # the largest draws' blocks, before the ES runs start their own processes
+    measured = f"{tensors} tensor draws, {elements / 1e9:.2f}G elements, {len(bad)} differ"
+    return Row(what, measured, "bit-identical", status="ok" if not bad else f"FAILED: {', '.join(bad[:3])}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--model", default="smollm2-135m-instruct", help="alias, HF dir or hub id (e.g. qwen2.5-0.5b-instruct)"
     )
-    ap.add_argument("--budget", type=float, default=280.0, help="seconds for the whole check")
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole check")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: step 1 and the table only")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on CUDA, float32 on the CPU")
     args = ap.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     import torch
 
-    if not torch.cuda.is_available():
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
         print("error: torch sees no CUDA device (use --nv with apptainer, --gpus all with docker)", file=sys.stderr)
         return 2
-    print(f"GPU: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}")
+    where = f"GPU: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if cuda else "CPU (--device cpu)"
+    print(f"{where}, torch {torch.__version__}, model {args.model}, {args.dtype}")
     backends = ["hf"] + (["vllm"] if importlib.util.find_spec("vllm") else [])
     start = time.time()
-    left = lambda: max(10.0, args.budget - (time.time() - start))  # noqa: E731
-    ok = True
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in backends:
-            sets = [
-                f"model.name={args.model}",
-                "model.device=cuda",
-                "model.dtype=bfloat16",
-                f"backend.name={name}",
-                "es.updates=3",
-                "es.population_size=8",
-                "es.batch_size=16",
-                "generation.max_new_tokens=128",
-                "task.heldout_size=16",
-                "eval.every=0",
-                f"run.output_dir={tmp}",
-                f"run.name=gpu-check-{name}",
-                "backend.gpu_memory_utilization=0.4",
-            ]
-            cmd = [sys.executable, "-m", "esbatch", "train", "quickstart", "--no-progress"]
-            for s in sets:
-                cmd += ["--set", s]
-            p = run(cmd, left() / 2)
-            ok &= p.returncode == 0
-            print(("ok: " if p.returncode == 0 else "FAILED: ") + f"3 ES updates with the {name} backend in bf16")
-            print("\n".join((p.stdout + p.stderr).strip().splitlines()[-6:]))
-            log = Path(tmp) / f"gpu-check-{name}" / "log.jsonl"
-            if log.exists():
-                for line in log.read_text().splitlines():
-                    m = json.loads(line)["metrics"]
-                    print(
-                        f"  update: reward {m['reward/mean']:.3f}, {m['tokens/per_s']:.0f} tok/s, "
-                        f"changed {m['update/changed_fraction']:.4f} of bf16 weights, {m['time/total_s']:.1f} s"
-                    )
-        p = run(
-            [
-                sys.executable,
-                "benchmarks/backends.py",
-                "--device",
-                "cuda",
-                "--dtype",
-                "bfloat16",
-                "--model",
-                args.model,
-                "--n",
-                "8",
-                "--batch",
-                "32",
-                "--tokens",
-                "128",
-                "--backends",
-                ",".join(backends),
-            ],
-            left(),
-        )
-        print(p.stdout[-4000:])
-        ok &= p.returncode == 0 and "| hf |" in p.stdout
-    t0 = time.time()
-    tensors, elements, bad = noise_identity(args.model, "cuda")
-    ok &= not bad
-    print(
-        f"{'ok' if not bad else 'FAILED'}: ES noise on cuda vs cpu: {tensors} tensor draws, {elements / 1e9:.2f}G "
-        f"elements, {len(bad)} differ {bad[:5]} ({time.time() - t0:.0f} s)"
-    )
-    p = run([sys.executable, "benchmarks/noise.py", "--log2n", "26", "--repeat", "5", "--threads", "1"], left())
-    print(p.stdout[-3000:])
-    ok &= p.returncode == 0
-    print(f"gpu check {'passed' if ok else 'FAILED'} in {time.time() - start:.0f} s")
+    left: Callable[[], float] = lambda: max(10.0, args.budget - (time.time() - start))  # noqa: E731
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        rows += kernel_rows(args, tmp, 0.3 * left())
+        if cuda:
+            t0 = time.time()
+            rows.append(identity_row(args.model))
+            print(f"noise identity: {rows[-1].measured} ({time.time() - t0:.0f} s)")
+            for i, name in enumerate(backends):
+                rows.append(es_run_row(args, name, tmp, left() / (len(backends) - i + 1)))
+            rows += overhead_rows(args, backends, tmp, left())
+        else:
+            skipped = "n/a: --device cpu"
+            rows.append(Row("ES noise, CUDA vs CPU kernel, every tensor", "not run", status="n/a: no CUDA"))
+            rows.append(Row("3 ES updates through esbatch train", "not run", status=skipped))
+            rows.append(Row("ES overhead ratio (benchmarks/backends.py)", "not run", status=skipped))
+    ok = not any(r.failed for r in rows)
+    print(f"\n## GPU check: {where}, {args.model}, {args.dtype}\n")
+    print(markdown(rows))
+    print(f"\ngpu check {'passed' if ok else 'FAILED'} in {time.time() - start:.0f} s")
     return 0 if ok else 1
 
 
