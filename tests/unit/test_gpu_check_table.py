@@ -64,6 +64,7 @@ def test_rows_carry_the_measurements_and_their_ratios(report):
         "restore",
         "update",
         "peak memory",
+        "peak memory",
     ]
     by = {r.quantity.split(" (")[0].split(",")[0]: r for r in rows}
     assert by["copy bandwidth"].measured == f"{report.copy_bytes_per_s / 1e9:.1f} GB/s"
@@ -73,7 +74,9 @@ def test_rows_carry_the_measurements_and_their_ratios(report):
     assert "N=3" in by["update"].quantity
     gauss = by["noise philox-gauss"]
     assert gauss.ratio == pytest.approx(report.copy_bytes_per_s / 4 / report.noise_per_s["philox-gauss"])
-    assert by["peak memory"].status.startswith("n/a: cpu")  # no resettable high-water mark on the CPU
+    assert [r.status for r in rows if r.quantity.startswith("peak memory")] == [
+        "n/a: cpu (ru_maxrss cannot be reset)"
+    ] * 2
     assert not any(r.failed for r in rows)
     table = K.markdown(rows).splitlines()
     assert table[0] == "| quantity | measured | bound / reference | ratio | ok |"
@@ -110,6 +113,9 @@ def test_memory_row_allows_inference_plus_master_plus_workspace():
     assert at.status == "ok" and at.ratio == pytest.approx(allowed / 10_000_000)
     above = dataclasses.replace(rep, peak_es=allowed + 1).memory_row()
     assert above.failed
+    goal = 10_000_000 + 2 * 1000 + 600 * 3 + 16 * (1 << 20) * 4  # issue 15: inference + 2 B/param + workspace
+    assert dataclasses.replace(rep, peak_es=goal).target_row().status == "ok"
+    assert dataclasses.replace(rep, peak_es=goal + 1).target_row().failed
 
 
 def run_check(*args: str) -> subprocess.CompletedProcess:
@@ -126,7 +132,7 @@ def test_gpu_check_on_cpu_prints_one_table_and_exits_2_without_cuda(tiny_model_d
     table = [line for line in final.splitlines() if line.startswith("|")]
     assert table[0] == "| quantity | measured | bound / reference | ratio | ok |"
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
-    assert len(rows) == 11 and all(len(r) == 5 for r in rows)
+    assert len(rows) == 12 and all(len(r) == 5 for r in rows)
     status = {r[0].split(" (")[0].split(",")[0]: r[4] for r in rows}
     assert status["ES noise"] == "n/a: no CUDA"
     assert status["perturb"] == status["update"] == "info"
