@@ -286,6 +286,6 @@ def test_the_shipped_cpu_sweep_thresholds_es_and_grpo_on_the_training_task():
     assert [e.tau for e in sw.evals] == [0.0, 1e-6, 1e-5, 1e-4, 1e-3] * 2
     e = sw.evals[0].config
     assert (
-        [t["label"] for t in e["tasks"]] == ["Add2"] and e["sampling"]["n"] == 8 and e["sampling"]["temperature"] == 0.6
+        [t["label"] for t in e["tasks"]] == ["Add2"] and e["sampling"]["n"] == 4 and e["sampling"]["temperature"] == 0.6
     )
     assert [(a.kind, a.name, a.y) for a in sw.analyses] == [("threshold_curve", "figure4", "pass@1")]
