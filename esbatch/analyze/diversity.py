@@ -187,10 +187,21 @@ def write_markdown(series: list[Series], path: Path) -> Path:
 
 def plot(series: list[Series], path: Path) -> Path:
     """Four panels against the update, every series overlaid: ES solid, GRPO dashed."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(series)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def figure(series: list[Series]) -> Any:
+    """The matplotlib figure of ``plot`` (the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     for ax, (key, title) in zip(axes.flat, PANELS):
@@ -200,6 +211,7 @@ def plot(series: list[Series], path: Path) -> Path:
                 style = "--" if s.algorithm == "grpo" else "-"
                 ax.plot(*zip(*pts), style, marker="o", ms=3, label=f"{s.label} ({s.algorithm})")
         ax.set(xlabel="update t (population of the center after t updates)", title=title)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # updates are whole numbers, in every panel
         ax.grid(alpha=0.3)
     axes.flat[0].axhline(0.6931, color="grey", lw=0.6, ls=":")  # ln 2, the maximum
     axes.flat[3].axhline(0.0, color="grey", lw=0.6)
@@ -207,9 +219,7 @@ def plot(series: list[Series], path: Path) -> Path:
     fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)) or 1, fontsize=8)
     fig.suptitle("Population diversity over training (paper Section 3.1)")
     fig.tight_layout(rect=(0, 0.06 + 0.025 * ((len(labels) - 1) // 3), 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def analyze(runs: list[str | Path], out: str | Path | None = None) -> dict[str, Path]:

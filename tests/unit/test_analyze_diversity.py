@@ -84,6 +84,24 @@ def test_es_and_grpo_runs_tabulated_and_plotted(tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+def test_every_panel_ticks_whole_updates_only(tmp_path):
+    """The Cov panel holds ES's few updates alone; matplotlib's default locator put ticks at 0.5, 1.5, ..."""
+    import matplotlib.pyplot as plt
+
+    from esbatch.analyze.diversity import collect, figure
+
+    es = _es_run(tmp_path / "es-run")
+    grpo = _grpo_run(tmp_path / "grpo-run", [[0.5, 1.0], [0.25, 0.0]])
+    fig = figure(collect([es, grpo]))
+    try:
+        for ax in fig.axes:
+            lo, hi = ax.get_xlim()
+            ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+            assert ticks and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)
+    finally:
+        plt.close(fig)
+
+
 def test_pipeline_stages_follow_each_other_and_out_is_honoured(tmp_path):
     root = tmp_path / "pipe"
     RunDir(root).path.mkdir()
