@@ -164,6 +164,14 @@ def main() -> None:
     print(f"    update                      {es['update_s']:8.2f} s  ({es['update_s'] / es['es_update_s']:.0%})")
     print(f"  same rollouts, fixed weights  {inf['generation_s']:8.2f} s  ({inf['tokens']} tokens)")
     print(f"  overhead ratio (ES update / fixed-weight generation) = {es['es_update_s'] / inf['generation_s']:.2f}")
+    # the perturbed members may stop earlier or later than the fixed weights: per generated token, the ratio
+    # counts ES's own cost (perturb, restore, update) and not a longer or shorter generation (issue 15)
+    per_tok = (es["es_update_s"] / es["tokens"]) / (inf["generation_s"] / inf["tokens"])
+    print(
+        f"  per generated token ({es['tokens']} ES vs {inf['tokens']} fixed-weight tokens) = {per_tok:.2f}; "
+        f"ES's own share (perturb + restore + update) / its generation = "
+        f"{(es['perturb_restore_s'] + es['update_s']) / es['generation_s']:.3f}"
+    )
     print(
         f"  restore by fp32 master copy: +{mem['master_bytes'] / 2**20:.0f} MiB "
         f"({mem['master_bytes'] / mem['model_bytes']:.1f}x the {mem['model_bytes'] / 2**20:.0f} MiB live weights); "
