@@ -57,7 +57,7 @@ class CenteredWeights:
         whose compute-dtype value changed)."""
         if self.perturbed:
             raise RuntimeError("update() called on perturbed weights: restore first")
-        l2 = es_update(self.master, spec, self.noise)
+        l2 = self.step(spec)
         changed = total = 0
         for name, p in self.live.items():
             new = self.master[name].to(p.dtype)
@@ -65,6 +65,10 @@ class CenteredWeights:
             total += p.numel()
             p.copy_(new)
         return l2, changed / total
+
+    def step(self, spec: UpdateSpec) -> float:
+        """Apply the update to the fp32 center in place; its L2 norm (a subclass changes the directions here)."""
+        return es_update(self.master, spec, self.noise)
 
     @torch.no_grad()
     def load(self, state: Mapping[str, torch.Tensor]) -> None:

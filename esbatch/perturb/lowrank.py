@@ -168,17 +168,6 @@ class LowRankWeights(CenteredWeights):
                 eps = direction(seed, name, master.shape, self.noise, eps_device(self.noise, master.device))
                 p.copy_(eps.to(master.device).mul_(scale).add_(master))
 
-    @torch.no_grad()
-    def update(self, spec: UpdateSpec) -> tuple[float, float]:
-        """lowrank_update on the fp32 center, copied to the live weights; (update L2, fraction of live elements
-        whose compute-dtype value changed)."""
-        if self.perturbed:
-            raise RuntimeError("update() called on perturbed weights: restore first")
-        l2 = lowrank_update(self.master, spec, self.rank, self.vectors, self.noise)
-        changed = total = 0
-        for name, p in self.live.items():
-            new = self.master[name].to(p.dtype)
-            changed += int((new != p).sum())
-            total += p.numel()
-            p.copy_(new)
-        return l2, changed / total
+    def step(self, spec: UpdateSpec) -> float:
+        """lowrank_update on the fp32 center (CenteredWeights.update copies it to the live weights)."""
+        return lowrank_update(self.master, spec, self.rank, self.vectors, self.noise)
