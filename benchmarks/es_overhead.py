@@ -3,9 +3,10 @@
 Prints: one ES update's wall time split into generation / perturb+restore / update; the overhead ratio
 (ES update time / time to generate the same N x B rollouts with fixed weights); the restore method's memory
 cost; and peak RSS of ES training vs inference alone (each in its own process, as ru_maxrss is a
-per-process high-water mark).
+per-process high-water mark; ES's is read right after its update, before the restore diagnostics below copy
+the weights). ``--master`` picks es.master, where the fp32 center lives (esbatch/perturb/offload.py).
 
-    python benchmarks/es_overhead.py --n 8 --batch 16 --dtype bfloat16
+    python benchmarks/es_overhead.py --n 8 --batch 16 --dtype bfloat16 --master disk
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def measure_inference(args: argparse.Namespace) -> dict:
     from esbatch.train.schedule import batch_indices
 
     cfg, model, tok, HFBackend, load_problems = setup(args)
+    loaded_rss = rss_mb()
     from esbatch.backends.hf import HFGenerator
 
     backend = HFGenerator(model, tok, batch_size=cfg.generation.batch_size)  # no master copy, no theta_0
@@ -68,6 +70,7 @@ def measure_inference(args: argparse.Namespace) -> dict:
         "generation_s": wall,
         "tokens": n_tok,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "loaded_rss_mb": loaded_rss,
     }
 
 
@@ -77,11 +80,13 @@ def measure_es(args: argparse.Namespace) -> dict:
     from esbatch.es.trainer import es_step
 
     cfg, model, tok, HFBackend, load_problems = setup(args)
-    backend = HFBackend(model, tok, batch_size=cfg.generation.batch_size, track_drift=False)
+    loaded_rss = rss_mb()
+    backend = HFBackend(model, tok, batch_size=cfg.generation.batch_size, track_drift=args.drift, master=args.master)
     probs = load_problems(cfg, backend)
     t0 = time.perf_counter()
     rec = es_step(cfg, backend, probs, 0)
     wall = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the diagnostics' copies below
     m = rec["metrics"]
     # restore alternatives, for the record: copy from the fp32 master (used) vs in-place add/subtract
     name, p = next(iter(backend.params.items()))
@@ -108,8 +113,17 @@ def measure_es(args: argparse.Namespace) -> dict:
         "memory": backend.memory_report(),
         "perturb_restore_one_cycle_s": t_copy_cycle,
         "addsub_restore_elements_off": off / total,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak,
+        "loaded_rss_mb": loaded_rss,
     }
+
+
+def rss_mb() -> float:
+    """The process's resident set now (VmRSS), MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def main() -> None:
@@ -119,6 +133,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=28)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--master", default="device", choices=["device", "host", "disk"], help="es.master")
+    ap.add_argument("--drift", action="store_true", help="keep theta_0 for drift (tracking.drift), as training does")
     ap.add_argument("--mode", choices=["both", "inference", "es"], default="both", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.mode != "both":
@@ -141,6 +157,9 @@ def main() -> None:
             args.dtype,
             "--threads",
             str(args.threads),
+            "--master",
+            args.master,
+            *(["--drift"] if args.drift else []),
         ]
         out = subprocess.run(
             cmd, capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -151,7 +170,7 @@ def main() -> None:
     mem = es["memory"]
     print(
         f"SmolLM2-135M-Instruct, {args.dtype}, N={args.n} x B={args.batch} prompts, {args.tokens} new tokens, "
-        f"{args.threads} threads"
+        f"{args.threads} threads, es.master: {args.master}, theta_0 {'kept' if args.drift else 'not kept'}"
     )
     print(f"  ES update wall time           {es['es_update_s']:8.2f} s")
     print(
@@ -172,14 +191,18 @@ def main() -> None:
         f"ES's own share (perturb + restore + update) / its generation = "
         f"{(es['perturb_restore_s'] + es['update_s']) / es['generation_s']:.3f}"
     )
+    where = "next to the weights" if args.master == "device" else f"in {args.master} (not in the process)"
+    if args.master == "host":
+        where = "in host memory, plus a compute-dtype copy next to the weights"
     print(
-        f"  restore by fp32 master copy: +{mem['master_bytes'] / 2**20:.0f} MiB "
+        f"  fp32 center {where}: {mem['master_bytes'] / 2**20:.0f} MiB "
         f"({mem['master_bytes'] / mem['model_bytes']:.1f}x the {mem['model_bytes'] / 2**20:.0f} MiB live weights); "
         f"exact. In-place add/sub restore leaves {es['addsub_restore_elements_off']:.2%} of elements off."
     )
     print(
         f"  peak RSS: ES training {es['peak_rss_mb']:.0f} MB, inference alone {inf['peak_rss_mb']:.0f} MB, "
-        f"ratio {es['peak_rss_mb'] / inf['peak_rss_mb']:.2f}"
+        f"ratio {es['peak_rss_mb'] / inf['peak_rss_mb']:.2f} (after loading the model: {es['loaded_rss_mb']:.0f} "
+        f"and {inf['loaded_rss_mb']:.0f} MB)"
     )
 
 

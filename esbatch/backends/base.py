@@ -123,24 +123,44 @@ class ESBackend(Generator):
         here; a backend with several engines overrides this to spread the members over them.
         """
 
+        chain = self.chains_members
+
         def work(_: int, i: int) -> tuple[list[Generation], float, float]:
             seed, scale, gen_seed = members[i]
             t0 = time.perf_counter()
-            self.perturb(seed, scale)
+            self.perturb_next(seed, scale) if chain else self.perturb(seed, scale)
             t1 = time.perf_counter()
             gens = self.generate(prompts, sampling, gen_seed)
             t2 = time.perf_counter()
-            self.restore()
+            if not chain:
+                self.restore()
             return gens, t2 - t1, (t1 - t0) + (time.perf_counter() - t2)
 
-        done = dispatch(claim if claim is not None else range(len(members)), 1, work)
+        restore_s = 0.0
+        try:
+            done = dispatch(claim if claim is not None else range(len(members)), 1, work)
+        finally:
+            if chain and self.perturbed:  # one restore after the last member
+                t0 = time.perf_counter()
+                self.restore()
+                restore_s = time.perf_counter() - t0
         res = [done.results[i] for i in done.order]
         return PopulationOutput(
             [g for g, _, _ in res],
             generation_s=sum(s for _, s, _ in res),
-            perturb_restore_s=sum(s for _, _, s in res),
+            perturb_restore_s=sum(s for _, _, s in res) + restore_s,
             members=done.order,
         )
+
+    # True where perturb_next() can go from one member straight to the next: evaluate_population then restores
+    # once, after the last member, instead of after each (a full copy of the weights saved per member)
+    chains_members: bool = False
+
+    def perturb_next(self, seed: int, scale: float) -> None:
+        """theta <- center + scale * eps(seed), from the center or from another member's weights."""
+        if getattr(self, "perturbed", False):
+            self.restore()
+        self.perturb(seed, scale)
 
     def checksum(self) -> float | None:
         """A cheap fingerprint of the fp32 center, equal on processes holding equal centers."""

@@ -143,16 +143,18 @@ class HFBackend(HFGenerator, ESBackend):
         track_drift: bool = True,
         restore: str = "exact",
         noise: str = DEFAULT_NOISE,
+        master: str = "device",
     ) -> None:
         super().__init__(model, tokenizer, batch_size=batch_size)
         params = dict(model.named_parameters())  # tied weights once
+        self.master_layout = master  # es.master: where the fp32 center lives (esbatch/perturb/offload.py)
         self.weights = self.make_weights(params, restore, track_drift, noise)
         self.params, self.master, self.theta0 = self.weights.live, self.weights.master, self.weights.theta0
         self.restore_mode = restore
 
     def make_weights(self, params: dict[str, torch.Tensor], restore: str, track_drift: bool, noise: str) -> Any:
         """The keeper of the live weights (esbatch/perturb); the low-rank backend keeps low-rank directions."""
-        return weights_for(params, restore, track_drift, noise)
+        return weights_for(params, restore, track_drift, noise, self.master_layout)
 
     @classmethod
     def for_es(cls, cfg: Any) -> HFBackend:
@@ -177,6 +179,7 @@ class HFBackend(HFGenerator, ESBackend):
             "track_drift": cfg.tracking.drift,
             "restore": cfg.es.restore,
             "noise": cfg.es.noise,
+            "master": cfg.es.master,
         }
 
     @classmethod
@@ -203,6 +206,17 @@ class HFBackend(HFGenerator, ESBackend):
     def restore(self) -> None:
         self.weights.restore()
 
+    @property
+    def chains_members(self) -> bool:  # type: ignore[override]
+        """es.restore: exact: perturb() writes every weight from the fp32 center, so no restore between members."""
+        return self.restore_mode == "exact"
+
+    def perturb_next(self, seed: int, scale: float) -> None:
+        if self.chains_members:
+            self.weights.perturb(seed, scale, over=True)
+        else:
+            super().perturb_next(seed, scale)
+
     def update(self, spec: UpdateSpec) -> UpdateStats:
         l2, changed = self.weights.update(spec)
         return UpdateStats(update_l2=l2, changed_fraction=changed, rel_distance=self.weights.rel_distance())
@@ -225,6 +239,10 @@ class HFBackend(HFGenerator, ESBackend):
     def memory_report(self) -> dict[str, float]:
         return self.weights.memory_report()
 
+    def close(self) -> None:
+        if close := getattr(self.weights, "close", None):  # es.master: disk closes its scratch file
+            close()
+
 
 class HFLowRankBackend(HFBackend):
     """HFBackend for ``es.perturbation: lowrank``: rank-r directions (LowRankWeights, esbatch/perturb/lowrank.py)
@@ -241,9 +259,12 @@ class HFLowRankBackend(HFBackend):
         noise: str = DEFAULT_NOISE,
         rank: int = 1,
         vectors: str = "full",
+        master: str = "device",
     ) -> None:
         from esbatch.backends.hf_lowrank import LowRankPopulation
 
+        if master != "device":
+            raise ValueError(f"es.perturbation: lowrank needs es.master: device (got {master})")
         if restore != "exact":
             raise ValueError(
                 f"es.perturbation: lowrank needs es.restore: exact (got {restore}): the batched forward never moves "

@@ -139,6 +139,7 @@ class VLLMBackend(ESBackend):
         seed: int = 0,
         track_drift: bool = True,
         noise: str = DEFAULT_NOISE,  # es.noise (esbatch/perturb/noise.py)
+        master: str = "device",  # es.master: where each engine keeps the fp32 center (esbatch/perturb/offload.py)
         rpc_timeout_s: float | None = None,
         worker_extension: str = EXTENSION,
         dispatch: str = "static",
@@ -199,7 +200,7 @@ class VLLMBackend(ESBackend):
             self._engine_pids += [p.pid for p in multiprocessing.active_children() if p.pid not in before]
         self.prefix_caching = prefix_caching
         self._pool = ThreadPoolExecutor(max_workers=engines) if engines > 1 else None
-        self._rpc_all("es_setup", self.hf_shapes, track_drift, noise)
+        self._rpc_all("es_setup", self.hf_shapes, track_drift, noise, master)
         self.perturbed = False
 
     @classmethod
@@ -221,6 +222,7 @@ class VLLMBackend(ESBackend):
             seed=cfg.run.seed,
             track_drift=cfg.tracking.drift,
             noise=cfg.es.noise,
+            master=cfg.es.master,
             rpc_timeout_s=cfg.run.hang_timeout_s,
             worker_extension=b.worker_extension,
             dispatch=cfg.es.dispatch,

@@ -54,16 +54,19 @@ class ESWorkerExtension:
     """Mixed into vLLM's worker class; ``self.model_runner.model`` is the live model."""
 
     @_safe
-    def es_setup(self, hf_shapes: dict[str, list[int]], track_drift: bool, noise: str) -> dict[str, Any]:
+    def es_setup(
+        self, hf_shapes: dict[str, list[int]], track_drift: bool, noise: str, master: str = "device"
+    ) -> dict[str, Any]:
         from esbatch.backends.layout import hf_views
-        from esbatch.perturb.centered import CenteredWeights
+        from esbatch.perturb import weights_for
 
         params = dict(self.model_runner.model.named_parameters())
         empty = [n for n, p in params.items() if p.numel() == 0]
         if empty:
             raise RuntimeError(f"weights moved out of reach by vLLM (empty parameters): {empty[:3]}")
         views = hf_views(params, {n: tuple(s) for n, s in hf_shapes.items()})
-        self.es = CenteredWeights(views, track_drift, noise)  # es.noise: eps drawn on the engine's device
+        # es.noise: eps drawn on the engine's device; es.master: the fp32 center there, in host memory or on disk
+        self.es = weights_for(views, "exact", track_drift, noise, master)
         some = next(iter(self.es.live.values()))
         return {"dtype": str(some.dtype), "device": str(some.device)}
 
@@ -93,7 +96,10 @@ class ESWorkerExtension:
         """Write the fp32 center (or the live weights, as fp32) with HF names to a safetensors file."""
         from safetensors.torch import save_file
 
-        src = self.es.master if which == "center" else self.es.live
+        if which == "center":
+            src = self.es.master if self.es.master is not None else self.es.state_dict()
+        else:
+            src = self.es.live
         save_file({n: t.detach().to("cpu", torch.float32).contiguous() for n, t in src.items()}, path)
         return {}
 

@@ -197,6 +197,18 @@ class ESConfig:
         "hf in one process (run.nproc_per_node: 1).",
         choices=("exact", "inplace"),
     )
+    master: str = setting(
+        "device",
+        "Where es.restore: exact keeps the fp32 center (esbatch/perturb/offload.py; bytes per parameter in "
+        "docs/architecture.md). device: next to the weights (+4 bytes/param there, +4 for theta_0 with "
+        "tracking.drift). host: in host memory (pinned on CUDA), with a compute-dtype copy of the center next to "
+        "the weights for restore: accelerator memory is inference + 2 bytes/param in bf16; on a CPU it only adds a "
+        "copy. disk: in an unlinked scratch file in $TMPDIR read and written chunk by chunk: the process holds "
+        "little more than inference does, at the cost of reading the center for every perturbation and restore "
+        "(the CPU layout for a host short of RAM). All three give the same bits. host and disk need "
+        "es.perturbation: full.",
+        choices=("device", "host", "disk"),
+    )
     noise: str = setting(
         "philox-gauss",
         "Generator of the directions eps(seed, tensor name) (esbatch/perturb/noise.py, docs/noise.md). "
@@ -564,6 +576,11 @@ def restore_errors(cfg: TrainConfig, errors: list[str]) -> None:
             "would carry the round-off of only the members it evaluated, and the ranks' centers would drift apart. "
             "Use run.nproc_per_node: 1, or es.restore: exact"
         )
+    if cfg.es.master != "device":
+        errors.append(
+            f"es.master: {cfg.es.master} cannot go with es.restore: inplace: inplace keeps no fp32 center to move "
+            "elsewhere. Use es.master: device, or es.restore: exact"
+        )
     if cfg.es.diversity.every > 0:
         errors.append(
             f"es.diversity.every: {cfg.es.diversity.every} cannot run with es.restore: inplace: its second pass "
@@ -582,6 +599,11 @@ def lowrank_errors(cfg: TrainConfig, errors: list[str]) -> None:
             f"es.perturbation: lowrank runs on backend.name: hf only (got {cfg.backend.name}): the batched low-rank "
             f"forward is built into the HF backend, not into {cfg.backend.name} engines. Use backend.name: hf, or "
             "es.perturbation: full"
+        )
+    if cfg.es.master != "device":
+        errors.append(
+            f"es.perturbation: lowrank needs es.master: device (got {cfg.es.master}): its batched forward reads the "
+            "fp32 center's factors next to the weights. Use es.master: device, or es.perturbation: full"
         )
     if cfg.es.restore != "exact":
         errors.append(

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from esbatch.models import checksum
-from esbatch.perturb.noise import DEFAULT_NOISE, check_noise, draw, eps_device, spans
+from esbatch.perturb.noise import DEFAULT_NOISE, check_noise, draw, eps_device, perturb_into, spans
 from esbatch.perturb.update import UpdateSpec, es_update, flat
 
 
@@ -32,9 +32,9 @@ class CenteredWeights:
         self.perturbed = False
 
     @torch.no_grad()
-    def perturb(self, seed: int, scale: float) -> None:
+    def perturb(self, seed: int, scale: float, over: bool = False) -> None:
         """live <- center + scale * eps(seed), from the center only, chunk by chunk (noise.spans)."""
-        if self.perturbed:
+        if self.perturbed and not over:  # over: straight from one member to the next (every weight is rewritten)
             raise RuntimeError("perturb() called on perturbed weights: restore first")
         self.perturbed = True
         for name, p in self.live.items():
@@ -42,6 +42,8 @@ class CenteredWeights:
             where = eps_device(self.noise, p.device)
             with flat(p) as dst:
                 for s, e in spans(p.numel(), self.noise):
+                    if perturb_into(seed, name, s, scale, master[s:e], dst[s:e], self.noise):
+                        continue  # fp32 on the CPU: the same bits in one pass (noise.perturb_into)
                     eps = draw(seed, name, s, e - s, where, self.noise).to(p.device)
                     dst[s:e].copy_(eps.mul_(scale).add_(master[s:e]))
 

@@ -148,10 +148,11 @@ class LowRankWeights(CenteredWeights):
         return [n for n, t in self.master.items() if is_matrix(t) or self.vectors == "full"]
 
     @torch.no_grad()
-    def perturb(self, seed: int, scale: float) -> None:
+    def perturb(self, seed: int, scale: float, over: bool = False) -> None:
         """live <- round(center + scale * E(seed)) for matrices, center + scale * eps(seed) for the others
-        (vectors: full), computed in fp32 from the center and rounded once."""
-        if self.perturbed:
+        (vectors: full), computed in fp32 from the center and rounded once (frozen tensors are never moved, so
+        ``over``, from one member straight to the next, leaves every weight right)."""
+        if self.perturbed and not over:
             raise RuntimeError("perturb() called on perturbed weights: restore first")
         self.perturbed = True
         c = scale / math.sqrt(self.rank)

@@ -224,6 +224,9 @@ def _cpu_lib() -> Any:
     dll.esbatch_noise.argtypes = [u64, i64, u32, u32, ptr, int_, int_, ptr]  # start count k0 k1 table kind simd out
     dll.esbatch_gauss_words.restype = None
     dll.esbatch_gauss_words.argtypes = [ptr, i64, ptr, int_, ptr]  # words n table simd out
+    dll.esbatch_noise_axpy.restype = None
+    # start count k0 k1 table kind simd scale base dst
+    dll.esbatch_noise_axpy.argtypes = [u64, i64, u32, u32, ptr, int_, int_, ctypes.c_float, ptr, ptr]
     dll.esbatch_noise_simd.restype = int_
     dll.esbatch_noise_simd.argtypes = []
     return dll
@@ -337,6 +340,30 @@ def draw(
         keys = _round_key_tensor(key, device)
         out = _blocks(b0t, (off + count + 3) // 4, keys, _table(device).long(), gauss)[off : off + count]
     return out
+
+
+def perturb_into(
+    seed: int, name: str, start: int, scale: float, base: torch.Tensor, out: torch.Tensor, noise: str = DEFAULT_NOISE
+) -> bool:
+    """out <- base + scale * eps(seed, name)[start : start + len(out)] in one pass of the C kernel, for fp32
+    contiguous CPU tensors; False (nothing written) where that path does not apply, and the caller computes
+    ``draw(...).mul_(scale).add_(base)``: the same bits (tests/unit/test_noise.py), in four passes over memory."""
+    lib = _cpu_lib() if noise != LEGACY_NOISE else None
+    ok = (out.dtype, base.dtype, out.device.type, base.device.type) == (torch.float32, torch.float32, "cpu", "cpu")
+    if lib is None or not ok or not (out.is_contiguous() and base.is_contiguous()) or out.numel() != base.numel():
+        return False
+    check_noise(noise)
+    key, count = tensor_seed(seed, name), out.numel()
+    args = (key & _MASK32, key >> 32, _table(out.device).data_ptr(), 0 if noise == "philox-gauss" else 1, int(CPU_SIMD))
+    parts = min(torch.get_num_threads(), count // PARALLEL_MIN) if count >= 2 * PARALLEL_MIN else 1
+    cuts = [count * i // max(parts, 1) for i in range(max(parts, 1) + 1)]
+    fn, bp, op = lib.esbatch_noise_axpy, base.data_ptr(), out.data_ptr()
+    jobs = [(start + a, b - a, *args, scale, bp + 4 * a, op + 4 * a) for a, b in zip(cuts, cuts[1:])]
+    if len(jobs) == 1:
+        fn(*jobs[0])
+    else:
+        list(_pool(len(jobs)).map(lambda job: fn(*job), jobs))
+    return True
 
 
 def direction(

@@ -255,3 +255,22 @@ void esbatch_gauss_words(const uint32_t *w, int64_t n, const int32_t *table, int
 #endif
     for (int64_t i = done; i < n; ++i) out[i] = gauss(w[i], table);
 }
+
+/* dst[i] = base[i] + scale * eps_i for elements start .. start + count - 1: an ES perturbation of an fp32 tensor in
+ * one pass over memory (eps stays in a stack buffer). The same two roundings as torch's eps.mul_(scale).add_(base)
+ * (an fp32 multiply, then an fp32 add): -ffp-contract=off keeps them from fusing into one FMA. */
+#define AXPY_BLOCK 2048
+void esbatch_noise_axpy(uint64_t start, int64_t count, uint32_t k0, uint32_t k1, const int32_t *table, int kind,
+                        int simd, float scale, const float *base, float *dst) {
+    float buf[AXPY_BLOCK];
+    for (int64_t j = 0; j < count; j += AXPY_BLOCK) {
+        int64_t m = count - j < AXPY_BLOCK ? count - j : AXPY_BLOCK;
+        esbatch_noise(start + (uint64_t)j, m, k0, k1, table, kind, simd, buf);
+        const float *b = base + j;
+        float *d = dst + j;
+        for (int64_t i = 0; i < m; ++i) {
+            float e = buf[i] * scale;
+            d[i] = e + b[i];
+        }
+    }
+}

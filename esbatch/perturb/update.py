@@ -79,14 +79,20 @@ def es_update(center: Mapping[str, torch.Tensor], spec: UpdateSpec, noise: str =
         where = eps_device(noise, theta.device)
         with flat(theta) as dst:
             for s, e in spans(theta.numel(), noise):
-                acc = torch.zeros(e - s, dtype=torch.float32, device=where)
-                for seed, w in zip(spec.seeds, spec.weights):
-                    if w != 0.0:
-                        acc.add_(draw(seed, name, s, e - s, where, noise), alpha=w)
-                acc.mul_(spec.alpha / spec.n)
+                acc = step_chunk(spec, name, s, e, where, noise)
                 dst[s:e].add_(acc.to(theta.device))
                 sq += float(torch.linalg.vector_norm(acc, dtype=torch.float64)) ** 2  # no float64 copy
     return sq**0.5
+
+
+def step_chunk(spec: UpdateSpec, name: str, s: int, e: int, where: torch.device, noise: str) -> torch.Tensor:
+    """alpha / N * sum_i w_i eps_i on elements s .. e-1 of tensor ``name``: fp32 on ``where``, summed in logged
+    order (the one arithmetic of es_update, shared by the offloaded centers of esbatch/perturb/offload.py)."""
+    acc = torch.zeros(e - s, dtype=torch.float32, device=where)
+    for seed, w in zip(spec.seeds, spec.weights):
+        if w != 0.0:
+            acc.add_(draw(seed, name, s, e - s, where, noise), alpha=w)
+    return acc.mul_(spec.alpha / spec.n)
 
 
 @torch.no_grad()

@@ -54,6 +54,30 @@ def test_double_perturb_and_update_while_perturbed_are_refused(tiny_backend_fact
     b.restore()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_population_goes_member_to_member_with_one_restore_and_the_same_answers(tiny_backend_factory, dtype):
+    """es.restore: exact: evaluate_population perturbs each member straight from the last one (perturb() rewrites
+    every weight from the fp32 center) and restores once at the end; the answers equal those of
+    perturb / generate / restore per member, and the weights end on the center bit for bit."""
+    a, b = tiny_backend_factory(dtype), tiny_backend_factory(dtype)
+    center = snapshot(a)
+    members = [(11, 0.05, 3), (11, -0.05, 3), (12, 0.05, 4), (13, 0.05, 5)]
+    prompts = ["12 + 7 =", "hello"]
+    s = SamplingParams(temperature=1.0, max_new_tokens=6)
+    restores = []
+    real_restore = a.weights.restore
+    a.weights.restore = lambda: (restores.append(1), real_restore())[1]
+    out = a.evaluate_population(members, prompts, s)
+    want = []
+    for seed, scale, gen_seed in members:
+        b.perturb(seed, scale)
+        want.append([g.text for g in b.generate(prompts, s, gen_seed)])
+        b.restore()
+    assert [[g.text for g in gens] for gens in out.generations] == want
+    assert len(restores) == 1 and not a.perturbed and all(torch.equal(p, center[n]) for n, p in a.params.items())
+    assert a.chains_members and out.perturb_restore_s > 0
+
+
 def test_update_moves_master_and_live_weights(tiny_backend_factory):
     b = tiny_backend_factory()
     c0 = {n: t.clone() for n, t in b.master.items()}

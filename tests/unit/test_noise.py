@@ -217,6 +217,40 @@ def test_chunked_update_and_perturb_equal_one_pass_math(noise):
     assert all(torch.equal(live[n], center[n]) for n in center)
 
 
+@pytest.mark.parametrize("noise", ["philox-gauss", "philox-rademacher"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_pass_c_perturbation_has_the_bits_of_the_torch_ops(noise, threads, monkeypatch):
+    """noise.perturb_into (base + scale * eps in the C kernel) against eps.mul_(scale).add_(base): unaligned
+    starts, ragged lengths, a split over threads, scales that round to fp32, huge and subnormal products."""
+    if N._cpu_lib() is None:
+        pytest.skip("no C compiler: perturb_into is never taken")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(0)
+    scales = [
+        0.01,
+        -0.003,
+        1e-7,
+        3.7,
+        -1.0,
+        0.1,
+        1 / 3,
+        1e-40,
+        3e38,
+        *torch.randn(8, generator=g, dtype=torch.float64).tolist(),
+    ]
+    for start, count in [(0, 5), (3, 4099), ((1 << 20) + 1, 30_001), (7, 2 * N.PARALLEL_MIN + 13)]:
+        base = torch.randn(count, generator=g) * torch.logspace(-30, 30, count).float()
+        eps = draw(11, "w", start, count, "cpu", noise)
+        for scale in scales:
+            out = torch.full((count,), float("nan"))
+            assert N.perturb_into(11, "w", start, scale, base, out, noise)
+            assert torch.equal(out, eps.clone().mul_(scale).add_(base)), (start, count, scale)
+    bf16 = torch.zeros(8, dtype=torch.bfloat16)
+    assert not N.perturb_into(1, "w", 0, 1.0, torch.zeros(8), bf16, noise)  # not fp32: the torch ops do it
+    assert not N.perturb_into(1, "w", 0, 1.0, torch.zeros(8), torch.zeros(16)[::2], noise)  # not contiguous
+    assert not N.perturb_into(1, "w", 0, 1.0, torch.zeros(8), torch.zeros(8), "legacy-cpu")
+
+
 def test_chunked_inplace_update_equals_one_pass_math_in_bfloat16():
     spec = UpdateSpec((1, 2), (0.7, -0.3), 0.05, 2)
     live = {n: t.to(torch.bfloat16) for n, t in _center(SHAPES).items()}
