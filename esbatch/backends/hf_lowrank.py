@@ -132,22 +132,24 @@ class LowRankPopulation:
         x, u = args[0], batch.members
         if x.shape[0] % u:
             raise RuntimeError(f"low-rank forward: {x.shape[0]} rows do not split into {u} members")
+        # added in place into the module's fresh output (one kernel per term, no temporaries of its size): the
+        # hooks run at every decoding step on every perturbed module, so their op count is ES's cost here
         y = out.reshape(u, -1, out.shape[-1])
         if site.kind == "linear":
             if site.weight:
                 xb = torch.bmm(x.reshape(u, -1, x.shape[-1]), batch.b[site.weight])  # (U, L, r)
-                y = y + torch.bmm(xb, batch.a[site.weight].transpose(1, 2))
+                y.baddbmm_(xb, batch.a[site.weight].transpose(1, 2))
             if site.bias:
-                y = y + batch.vec[site.bias][:, None, :]
+                y.add_(batch.vec[site.bias][:, None, :])
         elif site.kind == "embedding":
             ids = x.reshape(u, -1, 1)
             a = batch.a[site.weight]
             rows = torch.gather(a, 1, ids.expand(-1, -1, a.shape[-1]))  # (U, L, r): rows t of s A / sqrt(r)
-            y = y + torch.bmm(rows, batch.b[site.weight].transpose(1, 2))
+            y.baddbmm_(rows, batch.b[site.weight].transpose(1, 2))
         else:  # rmsnorm
             h = x.to(torch.float32)
             h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)).to(x.dtype)
-            y = y + batch.vec[site.weight][:, None, :] * h.reshape(u, -1, h.shape[-1])
+            y.addcmul_(batch.vec[site.weight][:, None, :], h.reshape(u, -1, h.shape[-1]))
         return y.reshape(out.shape)
 
     @contextmanager

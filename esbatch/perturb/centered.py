@@ -90,7 +90,7 @@ class CenteredWeights:
         """||theta_t - theta_0|| / ||theta_0|| when drift is tracked."""
         if self.theta0 is None:
             return None
-        return norm(self.master[n] - t0 for n, t0 in self.theta0.items()) / self._theta0_norm
+        return distance(self.master.items(), self.theta0) / self._theta0_norm
 
     def checksum(self) -> float:
         """A fingerprint of the fp32 center (esbatch/models.py:checksum), equal on processes holding equal centers."""
@@ -103,5 +103,27 @@ class CenteredWeights:
         return {"model_bytes": model_bytes, "master_bytes": master_bytes, "theta0_bytes": theta0_bytes}
 
 
+NORM_CHUNK = 1 << 20  # elements per float64 partial sum: no float64 (or difference) copy of a whole tensor
+
+
 def norm(tensors: Iterable[torch.Tensor]) -> float:
-    return sum(float(t.double().square().sum()) for t in tensors) ** 0.5
+    """sqrt(sum of squares) over all elements, in float64, chunk by chunk (a whole-tensor float64 cast of an
+    embedding is hundreds of MB, which would set the run's peak memory)."""
+    return sum(_sq(t.reshape(-1)) for t in tensors) ** 0.5
+
+
+def distance(tensors: Iterable[tuple[str, torch.Tensor]], ref: dict[str, torch.Tensor]) -> float:
+    """||tensors - ref|| over all elements (fp32 differences of each tensor's chunks), in float64."""
+    total = 0.0
+    for name, t in tensors:
+        a, b = t.reshape(-1), ref[name].reshape(-1)
+        for s in range(0, a.numel(), NORM_CHUNK):
+            total += _sq(a[s : s + NORM_CHUNK].float() - b[s : s + NORM_CHUNK])
+    return total**0.5
+
+
+def _sq(t: torch.Tensor) -> float:
+    return sum(
+        float(torch.linalg.vector_norm(t[s : s + NORM_CHUNK], dtype=torch.float64)) ** 2
+        for s in range(0, t.numel(), NORM_CHUNK)
+    )

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import torch
 
 from esbatch.models import checksum
-from esbatch.perturb.centered import norm
+from esbatch.perturb.centered import distance, norm
 from esbatch.perturb.noise import DEFAULT_NOISE, check_noise, draw, eps_device, spans
 from esbatch.perturb.update import UpdateSpec, es_update_inplace, flat
 
@@ -99,7 +99,7 @@ class InplaceWeights:
         """||theta_t - theta_0|| / ||theta_0|| when drift is tracked."""
         if self.theta0 is None:
             return None
-        return norm(self.live[n].float() - t0 for n, t0 in self.theta0.items()) / self._theta0_norm
+        return distance(self.live.items(), self.theta0) / self._theta0_norm
 
     def checksum(self) -> float:
         return checksum(self.live)
