@@ -91,6 +91,7 @@ class KernelReport:
     es_state_bytes: int  # what the ES backend holds beyond inference (fp32 master, theta_0 when tracked)
     peak_inference: int | None = None  # bytes; None: not measured (CPU)
     peak_es: int | None = None
+    peak_es_host: int | None = None  # the same ES work with es.master: host (fp32 center in host memory)
 
     def bound_ms(self, op: str) -> float:
         """The least time ``op`` can take: its bytes at the measured copy bandwidth."""
@@ -153,20 +154,21 @@ class KernelReport:
         return rows
 
     def target_row(self) -> Row:
-        """Issue 15's goal, apart from the accounting above: ES at most inference + 2 B/param (+ workspace). Today's
-        layout keeps the fp32 master (and theta_0 when tracked) on the device, so this row fails until the
-        compute-dtype center copy with the master in host memory is built (docs/limits.md)."""
-        what = "peak memory, ES vs inference + 2 B/param (issue 15 target)"
-        if self.peak_inference is None or self.peak_es is None:
+        """Issue 15's goal, apart from the accounting above: ES at most inference + 2 B/param (+ workspace), met by
+        es.master: host (the fp32 center in host memory, a compute-dtype copy on the device: offload.py); the
+        default layout (es.master: device, the row above) keeps the fp32 center on the device and would not."""
+        what = "peak memory, ES (es.master: host) vs inference + 2 B/param (issue 15 target)"
+        if self.peak_inference is None or self.peak_es_host is None:
             return Row(what, "not measured", status=f"n/a: {self.device} (ru_maxrss cannot be reset)")
         mib = 2**20
         goal = self.peak_inference + 2 * self.params + self.workspace_bytes()
+        peak = self.peak_es_host
         return Row(
             what,
-            f"ES {self.peak_es / mib:.0f} MiB",
+            f"ES {peak / mib:.0f} MiB",
             f"{goal / mib:.0f} MiB (inference + 2 B/param + workspace)",
-            self.peak_es / goal,
-            "ok" if self.peak_es <= goal else f"FAILED: {(self.peak_es - goal) / mib:.1f} MiB above the target",
+            peak / goal,
+            "ok" if peak <= goal else f"FAILED: {(peak - goal) / mib:.1f} MiB above the target",
         )
 
     def memory_row(self) -> Row:
@@ -338,6 +340,21 @@ def measure(
     peak_es = peak.read()
 
     mem = es.memory_report()
+    peak_es_host = None
+    if dev.type == "cuda":  # the same work with the fp32 center in host memory (es.master: host)
+        import gc
+
+        del es, weights, live
+        gc.collect()
+        torch.cuda.empty_cache()
+        host = HFBackend(lm, tok, batch_size=batch, track_drift=False, noise=noise, master="host")
+        peak.reset()
+        host.perturb(0, sigma)
+        generate_full(host, texts, tokens)
+        host.restore()
+        host.update(spec)
+        peak_es_host = peak.read()
+        live = host.weights.live
     return KernelReport(
         device=str(dev),
         dtype=dtype,
@@ -358,6 +375,7 @@ def measure(
         es_state_bytes=int(mem["master_bytes"] + mem["theta0_bytes"]),
         peak_inference=peak_inference,
         peak_es=peak_es,
+        peak_es_host=peak_es_host,
     )
 
 

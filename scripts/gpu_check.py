@@ -5,7 +5,8 @@
 1. benchmarks/es_kernels.py: copy bandwidth; noise throughput (philox-gauss, philox-rademacher, torch.randn)
    against the rate fp32 can be written; one perturb, restore and update (N=8) through CenteredWeights on the
    model's parameters against the least bytes each must move at that bandwidth; peak device memory of ES
-   (fp32 master, perturb + generate + restore + update) against inference alone;
+   (fp32 master, perturb + generate + restore + update) against inference alone, and with es.master: host
+   (the fp32 center in pinned host memory) against inference + 2 B/param;
 2. ES noise (docs/noise.md): every tensor of the model drawn on the GPU and on the CPU (C kernel) for both
    philox generators and two seeds, compared bit for bit;
 3. a short ES run (3 updates) through `esbatch train` with the HF backend in bfloat16 (the live weights bf16,

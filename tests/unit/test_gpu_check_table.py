@@ -114,8 +114,8 @@ def test_memory_row_allows_inference_plus_master_plus_workspace():
     above = dataclasses.replace(rep, peak_es=allowed + 1).memory_row()
     assert above.failed
     goal = 10_000_000 + 2 * 1000 + 600 * 3 + 16 * (1 << 20) * 4  # issue 15: inference + 2 B/param + workspace
-    assert dataclasses.replace(rep, peak_es=goal).target_row().status == "ok"
-    assert dataclasses.replace(rep, peak_es=goal + 1).target_row().failed
+    assert dataclasses.replace(rep, peak_es_host=goal).target_row().status == "ok"
+    assert dataclasses.replace(rep, peak_es_host=goal + 1).target_row().failed
 
 
 def run_check(*args: str) -> subprocess.CompletedProcess:
