@@ -139,10 +139,15 @@ def memory_warnings(sd: SweepDir, margin: float = 0.10) -> list[str]:
         return []
     out = []
     for r in meta.get("runs", []):
-        try:
-            peak = sd.run_dir(r["key"]).read_meta().get("peak_rss_mb")
-        except RunFolderError:
-            continue
+        rd = sd.run_dir(r["key"])
+        # a pipeline's stages run as their own processes: its peak is the largest of theirs (stage*/run.json)
+        peaks = []
+        for folder in [rd.path, *sorted(rd.path.glob("stage*/"))]:
+            try:
+                peaks.append(RunDir(folder).read_meta().get("peak_rss_mb"))
+            except RunFolderError:
+                continue
+        peak = max((p for p in peaks if p is not None), default=None)
         if peak is not None and peak >= (1 - margin) * request:
             over = "over" if peak > request else f"within {100 * (request - peak) / request:.0f}% of"
             out.append(

@@ -179,6 +179,14 @@ def test_status_flags_a_run_whose_peak_memory_nears_its_request(tmp_path):
     w = memory_warnings(sd)
     assert len(w) == 2 and w[0].startswith("near") and "within 10% of the 1000 MB" in w[0]
     assert w[1].startswith("over") and "is over the 1000 MB requested" in w[1]
+    # a pipeline's driver stays small while its stages (own processes, stage*/run.json) peak: the largest counts
+    runs.append({"key": "pipe", "label": "run pipe"})
+    sd.meta_path.write_text(json.dumps({"runs": runs, "mem_request_mb": 1000, "launcher": "slurm-local"}))
+    for sub, peak in (("", 397.0), ("stage1-es", 800.0), ("stage2-grpo", 1700.0)):
+        (sd.run_dir("pipe").path / sub).mkdir(parents=True, exist_ok=True)
+        (sd.run_dir("pipe").path / sub / "run.json").write_text(json.dumps({"peak_rss_mb": peak}))
+    w = memory_warnings(sd)
+    assert len(w) == 3 and w[2].startswith("pipe") and "peak memory 1700 MB is over" in w[2], w
 
 
 def test_shipped_profiles_request_what_the_quickstart_measurably_needs():
