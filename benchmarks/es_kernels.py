@@ -332,12 +332,16 @@ def measure(
     ms["restore"] = median_s(weights.restore, dev, repeat, setup=lambda: weights.perturb(0, sigma)) * 1e3
     ms["update"] = median_s(lambda: weights.update(spec), dev, repeat) * 1e3
 
-    peak.reset()
-    es.perturb(0, sigma)
-    generate_full(es, texts, tokens)
-    es.restore()
-    es.update(spec)
-    peak_es = peak.read()
+    def es_peak(backend) -> int | None:
+        """Peak device memory of one member's perturb + generate + restore, then the update."""
+        peak.reset()
+        backend.perturb(0, sigma)
+        generate_full(backend, texts, tokens)
+        backend.restore()
+        backend.update(spec)
+        return peak.read()
+
+    peak_es = es_peak(es)
 
     mem = es.memory_report()
     peak_es_host = None
@@ -348,12 +352,7 @@ def measure(
         gc.collect()
         torch.cuda.empty_cache()
         host = HFBackend(lm, tok, batch_size=batch, track_drift=False, noise=noise, master="host")
-        peak.reset()
-        host.perturb(0, sigma)
-        generate_full(host, texts, tokens)
-        host.restore()
-        host.update(spec)
-        peak_es_host = peak.read()
+        peak_es_host = es_peak(host)
         live = host.weights.live
     return KernelReport(
         device=str(dev),
