@@ -27,13 +27,15 @@ def running_tasks(job: str) -> list[str]:
     return [x for x in out.split() if "_" in x and "[" not in x]
 
 
-def hit(task: str, action: str) -> None:
+def hit(task: str, action: str) -> subprocess.Popen:
+    """Start the hit without waiting: scancel can block for most of a minute while a task is requeueing itself,
+    and the array must not run out of live tasks meanwhile."""
     cmd = {
         "kill": ["scancel", "--signal=KILL", "--full", task],  # every process of the task, no warning
         "requeue": ["scontrol", "requeue", task],  # the scheduler takes the node back (preemption)
         "usr2": ["scancel", "--signal=USR2", task],  # the time-limit warning: stop, then submitit requeues
     }[action]
-    subprocess.run(cmd, capture_output=True, text=True, timeout=180)  # slurmctld can be slow under load
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def finished_or_idle(tmp: Path, sweep_dir: Path) -> str | None:
@@ -63,12 +65,14 @@ def test_kills_requeues_and_usr2_at_random_lose_nothing(tmp_path, tiny_model_dir
         "chaos",
         updates=UPDATES,
         grid={"run.seed": list(range(RUNS))},
-        launcher_overrides={"mem": "1000M", "array_parallelism": 6},
+        # three at a time: four waves keep live tasks around long enough for a quarter to be hit
+        launcher_overrides={"mem": "1000M", "array_parallelism": 3},
         aggregate=None,
     )
     sweep_dir = tmp_path / "out" / "chaos"
     rng, hits, rounds = random.Random(0), {"kill": 0, "requeue": 0, "usr2": 0}, 0
     tasks_hit: set[str] = set()
+    pending_hits: list[subprocess.Popen] = []
     order = rng.sample(sorted(hits), len(hits))
     while True:
         out, calls = cli(tmp_path, "sweep", str(path))
@@ -87,11 +91,13 @@ def test_kills_requeues_and_usr2_at_random_lose_nothing(tmp_path, tiny_model_dir
                     break  # the array ended before a quarter was hit
                 time.sleep(0.5)
                 continue
-            time.sleep(rng.uniform(1.0, 8.0))  # a random moment of the task's life
+            time.sleep(rng.uniform(0.5, 4.0))  # a random moment of the task's life
             task, action = rng.choice(running), order[len(tasks_hit) % len(order)]  # each kind of hit, in turn
-            hit(task, action)
+            pending_hits.append(hit(task, action))
             hits[action] += 1
             tasks_hit.add(task)
+        for p in pending_hits:
+            p.wait(timeout=180)  # slurmctld can be slow under load
         wait_sweep(sweep_dir, timeout=900)
     print(f"\nchaos: {hits} on {len(tasks_hit)} of {RUNS} tasks; {rounds} submission round(s)")
     assert len(tasks_hit) >= RUNS // 4
