@@ -55,21 +55,22 @@ def table(dev: torch.device, n: int, repeat: int, eager_n: int | None) -> None:
     if cpu:
         rows = [(f"{label} (C, {path})", noise, simd, m) for label, noise, _, m in rows for path, simd in paths()]
     else:
-        rows = [(f"{label} (compiled)", noise, True, m) for label, noise, _, m in rows]
+        rows = [(f"{label} (compiled)", noise, 2, m) for label, noise, _, m in rows]
     if eager_n:
         rows += [("philox-gauss (eager torch)", "philox-gauss", None, eager_n)]
-    rows += [("legacy-cpu (+ copy to device)", "legacy-cpu", True, n)]
+    rows += [("legacy-cpu (+ copy to device)", "legacy-cpu", 2, n)]
     for label, noise, simd, m in rows:
-        N.CPU_SIMD = bool(simd)
+        N.CPU_SIMD = 2 if simd is None else simd
         t, c = best(lambda m=m, z=noise, f=simd is not None: N.draw(1, "bench", 0, m, dev, z, fast=f), dev, repeat)
         row(label, m, t, c)
-    N.CPU_SIMD = True
+    N.CPU_SIMD = 2
 
 
-def paths() -> list[tuple[str, bool]]:
-    """The C kernel's paths worth timing here: AVX2 where the CPU has it, and the scalar one."""
-    N.CPU_SIMD = True
-    return ([("avx2", True)] if N.cpu_simd() else []) + [("scalar", False)]
+def paths() -> list[tuple[str, int]]:
+    """The C kernel's paths worth timing here: AVX-512 and AVX2 where the CPU has them, and the scalar one."""
+    N.CPU_SIMD = 2
+    have = N.SIMD_PATHS.index(N.cpu_simd())
+    return [(N.SIMD_PATHS[lv], lv) for lv in range(have, -1, -1)]
 
 
 def main() -> None:

@@ -16,7 +16,16 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from esbatch.models import checksum
-from esbatch.perturb.noise import DEFAULT_NOISE, check_noise, draw, eps_device, perturb_into, spans
+from esbatch.perturb.noise import (
+    DEFAULT_NOISE,
+    check_noise,
+    draw,
+    eps_device,
+    perturb_into,
+    perturb_jobs,
+    run_jobs,
+    spans,
+)
 from esbatch.perturb.update import UpdateSpec, es_update, flat
 
 
@@ -37,7 +46,16 @@ class CenteredWeights:
         if self.perturbed and not over:  # over: straight from one member to the next (every weight is rewritten)
             raise RuntimeError("perturb() called on perturbed weights: restore first")
         self.perturbed = True
+        jobs, rest = [], []  # fp32 on the CPU: every tensor in one pass of the C kernel, in one run (perturb_into)
         for name, p in self.live.items():
+            j = perturb_jobs(seed, name, 0, scale, self.master[name], p, self.noise) if p.is_contiguous() else None
+            if j is None:
+                rest.append(name)
+            else:
+                jobs.extend(j)
+        run_jobs(jobs)
+        for name in rest:
+            p = self.live[name]
             master = self.master[name].reshape(-1)  # read only: a copy only for a non-contiguous view
             where = eps_device(self.noise, p.device)
             with flat(p) as dst:

@@ -32,11 +32,11 @@ quantile (measured), below half an fp32 ulp of eps near 1; the largest |eps| is 
 element against an independent numpy implementation (tests/noise_reference.py).
 
 Speed: on the CPU a small C kernel (``CPU_SOURCE``, built on first use with the system compiler and cached,
-run over torch's CPU threads through ctypes) with an AVX2 path chosen at run time (no -march, so one cached
-binary serves every x86-64 CPU sharing the cache) and a scalar path of the same bits (other CPUs, ragged ends,
-``ESBATCH_NOISE_SIMD=0``); on CUDA ``_blocks`` compiled by torch.compile (Triton), untested
-where no GPU was at hand. ``ESBATCH_NOISE_FAST=0``, or no compiler, leaves the eager torch path: the same bits,
-about 100x slower. Figures: benchmarks/noise.py, docs/noise.md.
+run over torch's CPU threads through ctypes) with AVX-512 and AVX2 paths chosen at run time (no -march, so one
+cached binary serves every x86-64 CPU sharing the cache) and a scalar path of the same bits (other CPUs, ragged
+ends; ``ESBATCH_NOISE_SIMD=1`` caps the paths at AVX2, ``=0`` at scalar); on CUDA ``_blocks`` compiled by
+torch.compile (Triton), untested where no GPU was at hand. ``ESBATCH_NOISE_FAST=0``, or no compiler, leaves
+the eager torch path: the same bits, about 100x slower. Figures: benchmarks/noise.py, docs/noise.md.
 
 ``legacy-cpu``: the generator of runs made before ``es.noise``: torch.randn on a CPU torch.Generator seeded
 with tensor_seed, fp32, whole tensor at once (torch's CPU normal sampler depends on the tensor's size, so it
@@ -52,7 +52,7 @@ import os
 import platform
 import subprocess
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -192,7 +192,9 @@ def _blocks(b0: torch.Tensor, nb: int, keys: torch.Tensor, table: torch.Tensor, 
 CPU_SOURCE = Path(__file__).with_name("noise_cpu.c")
 # no -march: the AVX2 path is a function-level target chosen at run time, so the cached binary runs on any x86-64
 CPU_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
-CPU_SIMD = os.environ.get("ESBATCH_NOISE_SIMD", "1") != "0"  # False: the kernel's scalar path (same bits, slower)
+# the widest C kernel path allowed: 2 AVX-512, 1 AVX2, 0 scalar (every path gives the same bits)
+CPU_SIMD = int(os.environ.get("ESBATCH_NOISE_SIMD", "2"))
+SIMD_PATHS = ("scalar", "avx2", "avx512")
 
 
 @functools.cache
@@ -213,7 +215,7 @@ def _cpu_lib() -> Any:
         if not lib.exists():
             cache.mkdir(parents=True, exist_ok=True)
             tmp = lib.with_suffix(f".tmp{os.getpid()}")
-            subprocess.run([cc, *CPU_FLAGS, str(CPU_SOURCE), "-o", str(tmp)], capture_output=True, check=True)
+            subprocess.run([cc, *CPU_FLAGS, str(CPU_SOURCE), "-o", str(tmp), "-lm"], capture_output=True, check=True)
             os.replace(tmp, lib)  # atomic: ranks building at once all load a whole file
         dll = ctypes.CDLL(str(lib))
     except (OSError, subprocess.CalledProcessError) as e:
@@ -227,18 +229,25 @@ def _cpu_lib() -> Any:
     dll.esbatch_noise_axpy.restype = None
     # start count k0 k1 table kind simd scale base dst
     dll.esbatch_noise_axpy.argtypes = [u64, i64, u32, u32, ptr, int_, int_, ctypes.c_float, ptr, ptr]
+    dll.esbatch_noise_accumulate.restype = None
+    # start count nd k0[] k1[] w[] table kind simd out
+    dll.esbatch_noise_accumulate.argtypes = [u64, i64, int_, ptr, ptr, ptr, ptr, int_, int_, ptr]
+    dll.esbatch_noise_update.restype = ctypes.c_double
+    # start count nd k0[] k1[] w[] table kind simd scale dst
+    dll.esbatch_noise_update.argtypes = [u64, i64, int_, ptr, ptr, ptr, ptr, int_, int_, ctypes.c_float, ptr]
     dll.esbatch_noise_simd.restype = int_
     dll.esbatch_noise_simd.argtypes = []
     return dll
 
 
-def cpu_simd() -> bool:
-    """Whether CPU draws take the C kernel's AVX2 path here (an x86-64 CPU with AVX2, and CPU_SIMD on)."""
+def cpu_simd() -> str:
+    """The C kernel path CPU draws take here: "avx512", "avx2" (what the CPU has, capped by CPU_SIMD) or "scalar"
+    (also when there is no C kernel)."""
     lib = _cpu_lib()
-    return lib is not None and CPU_SIMD and bool(lib.esbatch_noise_simd())
+    return SIMD_PATHS[min(int(CPU_SIMD), int(lib.esbatch_noise_simd()))] if lib is not None else "scalar"
 
 
-def gauss_words(words: np.ndarray, simd: bool = True) -> np.ndarray:
+def gauss_words(words: np.ndarray, simd: int = 2) -> np.ndarray:
     """fp32 eps of given 32-bit words by the C kernel's Gaussian transform (tests: words at octave edges)."""
     lib = _cpu_lib()
     if lib is None:
@@ -342,28 +351,126 @@ def draw(
     return out
 
 
+JOB = 1 << 18  # elements per C kernel job: tensors of a model are cut into these and run over torch's threads
+
+
+def run_jobs(jobs: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """Run C kernel calls (fn, *args) over torch's CPU thread count, results in order: ctypes releases the GIL,
+    and every element is a pure function of its index, so any split gives the same bits. Gathering a whole
+    model's jobs in one call keeps both threads busy across small tensors (one pool round trip per model)."""
+    workers = min(torch.get_num_threads(), len(jobs))
+    if workers <= 1:
+        return [fn(*args) for fn, *args in jobs]
+    return list(_pool(workers).map(lambda job: job[0](*job[1:]), jobs))
+
+
+def _cuts(start: int, end: int, job: int = JOB) -> list[int]:
+    """start, the multiples of ``job`` strictly between, end: job boundaries fixed in absolute element index."""
+    return [start, *range((start // job + 1) * job, end, job), end]
+
+
+def perturb_jobs(
+    seed: int, name: str, start: int, scale: float, base: torch.Tensor, out: torch.Tensor, noise: str = DEFAULT_NOISE
+) -> list[tuple[Any, ...]] | None:
+    """The C kernel jobs of perturb_into (for run_jobs), or None where that path does not apply."""
+    lib = _cpu_lib() if noise != LEGACY_NOISE else None
+    ok = (out.dtype, base.dtype, out.device.type, base.device.type) == (torch.float32, torch.float32, "cpu", "cpu")
+    if lib is None or not ok or not (out.is_contiguous() and base.is_contiguous()) or out.numel() != base.numel():
+        return None
+    check_noise(noise)
+    key, end = tensor_seed(seed, name), start + out.numel()
+    args = (key & _MASK32, key >> 32, _table(out.device).data_ptr(), 0 if noise == "philox-gauss" else 1, int(CPU_SIMD))
+    fn, bp, op = lib.esbatch_noise_axpy, base.data_ptr(), out.data_ptr()
+    cuts = _cuts(start, end)
+    return [(fn, a, b - a, *args, scale, bp + 4 * (a - start), op + 4 * (a - start)) for a, b in zip(cuts, cuts[1:])]
+
+
 def perturb_into(
     seed: int, name: str, start: int, scale: float, base: torch.Tensor, out: torch.Tensor, noise: str = DEFAULT_NOISE
 ) -> bool:
     """out <- base + scale * eps(seed, name)[start : start + len(out)] in one pass of the C kernel, for fp32
     contiguous CPU tensors; False (nothing written) where that path does not apply, and the caller computes
     ``draw(...).mul_(scale).add_(base)``: the same bits (tests/unit/test_noise.py), in four passes over memory."""
-    lib = _cpu_lib() if noise != LEGACY_NOISE else None
-    ok = (out.dtype, base.dtype, out.device.type, base.device.type) == (torch.float32, torch.float32, "cpu", "cpu")
-    if lib is None or not ok or not (out.is_contiguous() and base.is_contiguous()) or out.numel() != base.numel():
+    jobs = perturb_jobs(seed, name, start, scale, base, out, noise)
+    if jobs is None:
         return False
-    check_noise(noise)
-    key, count = tensor_seed(seed, name), out.numel()
-    args = (key & _MASK32, key >> 32, _table(out.device).data_ptr(), 0 if noise == "philox-gauss" else 1, int(CPU_SIMD))
-    parts = min(torch.get_num_threads(), count // PARALLEL_MIN) if count >= 2 * PARALLEL_MIN else 1
-    cuts = [count * i // max(parts, 1) for i in range(max(parts, 1) + 1)]
-    fn, bp, op = lib.esbatch_noise_axpy, base.data_ptr(), out.data_ptr()
-    jobs = [(start + a, b - a, *args, scale, bp + 4 * a, op + 4 * a) for a, b in zip(cuts, cuts[1:])]
-    if len(jobs) == 1:
-        fn(*jobs[0])
-    else:
-        list(_pool(len(jobs)).map(lambda job: fn(*job), jobs))
+    run_jobs(jobs)
     return True
+
+
+def accumulate(
+    seeds: Sequence[int],
+    weights: Sequence[float],
+    name: str,
+    start: int,
+    count: int,
+    noise: str = DEFAULT_NOISE,
+) -> torch.Tensor | None:
+    """sum_d weights[d] * eps(seeds[d], name)[start : start + count], fp32 on the CPU, in one pass of the C kernel
+    with the bits of ``acc = zeros; acc.add_(draw(seed_d, ...), alpha=w_d)`` per direction in order (an ES
+    update's sum, es_update); None where the kernel does not apply (no C compiler, legacy-cpu) and the caller
+    does it with torch."""
+    lib = _cpu_lib() if check_noise(noise) != LEGACY_NOISE else None
+    if lib is None or count <= 0:
+        return None
+    k0, k1, w = _directions(seeds, weights, name)
+    out = torch.empty(count, dtype=torch.float32)
+    args = (len(k0), k0.ctypes, k1.ctypes, w.ctypes, _table(out.device).data_ptr())
+    args += (0 if noise == "philox-gauss" else 1, int(CPU_SIMD))
+    fn, op, cuts = lib.esbatch_noise_accumulate, out.data_ptr(), _cuts(start, start + count)
+    run_jobs([(fn, a, b - a, *args, op + 4 * (a - start)) for a, b in zip(cuts, cuts[1:])])
+    return out
+
+
+def _directions(seeds: Sequence[int], weights: Sequence[float], name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The C kernel's per-direction arrays: Philox key words and fp32 weights (torch's add_ rounds alpha to the
+    tensor's fp32 the same way)."""
+    keys = [tensor_seed(s, name) for s in seeds]
+    k0 = np.array([k & _MASK32 for k in keys], dtype=np.uint32)
+    k1 = np.array([k >> 32 for k in keys], dtype=np.uint32)
+    return k0, k1, np.array(weights, dtype=np.float32)
+
+
+def update_jobs(
+    seeds: Sequence[int],
+    weights: Sequence[float],
+    scale: float,
+    name: str,
+    dst: torch.Tensor,
+    start: int = 0,
+    noise: str = DEFAULT_NOISE,
+) -> list[tuple[Any, ...]] | None:
+    """The C kernel jobs of update_into (for run_jobs; each returns its squared-L2 part), or None where that path
+    does not apply."""
+    lib = _cpu_lib() if check_noise(noise) != LEGACY_NOISE else None
+    ok = dst.dtype == torch.float32 and dst.device.type == "cpu" and dst.is_contiguous()
+    if lib is None or not ok or dst.numel() == 0:
+        return None
+    k0, k1, w = _directions(seeds, weights, name)
+    # arr.ctypes (not .data) keeps each array alive as long as the jobs hold it
+    args = (len(k0), k0.ctypes, k1.ctypes, w.ctypes, _table(dst.device).data_ptr())
+    args += (0 if noise == "philox-gauss" else 1, int(CPU_SIMD), scale)
+    fn, dp, cuts = lib.esbatch_noise_update, dst.data_ptr(), _cuts(start, start + dst.numel())
+    return [(fn, a, b - a, *args, dp + 4 * (a - start)) for a, b in zip(cuts, cuts[1:])]
+
+
+def update_into(
+    seeds: Sequence[int],
+    weights: Sequence[float],
+    scale: float,
+    name: str,
+    dst: torch.Tensor,
+    start: int = 0,
+    noise: str = DEFAULT_NOISE,
+) -> list[float] | None:
+    """dst += scale * sum_d weights[d] * eps(seeds[d], name)[start : start + dst.numel()] for an fp32 CPU tensor
+    in one pass of the C kernel, with the bits of update.step_chunk's torch ops. Returns the step's squared L2 in
+    float64 parts, one per job of JOB elements cut at absolute multiples of JOB (so a tensor done whole or chunk
+    by chunk, on any thread count, yields the same parts to sum in order), or None (nothing written) where the
+    kernel does not apply. No torch op runs between a tensor's chunks, whose OpenMP threads would spin on the
+    cores the kernel's threads need (measured: it doubled the update's time)."""
+    jobs = update_jobs(seeds, weights, scale, name, dst, start, noise)
+    return None if jobs is None else run_jobs(jobs)
 
 
 def direction(

@@ -8,6 +8,7 @@
  * The scalar path runs the ragged ends, CPUs without AVX2, and whatever `simd = 0` asks for (the tests compare
  * both paths with the numpy reference). */
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -209,21 +210,127 @@ __attribute__((target("avx2"))) static int64_t avx2_gauss_words(const uint32_t *
         _mm256_storeu_ps(out + i, gauss8(_mm256_loadu_si256((const __m256i *)(w + i)), table));
     return done;
 }
+
+/* ------------------------------------------------------------------------------------------ AVX-512 */
+
+/* The AVX2 recipe 16 lanes wide (16 Philox blocks per step), with AVX-512F's 64-bit arithmetic shift and masked
+ * blends in place of AVX2's workarounds: the same integers, so the same bits. */
+#define AVX512 __attribute__((target("avx512f"))) static inline
+
+AVX512 void mulhilo16(__m512i a, __m512i m, __m512i *hi, __m512i *lo) {
+    __m512i pe = _mm512_mul_epu32(a, m);
+    __m512i po = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);
+    *hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pe, 32), po);
+    *lo = _mm512_mask_blend_epi32(0xAAAA, pe, _mm512_slli_epi64(po, 32));
+}
+
+AVX512 __m512 gauss16(__m512i w, const int32_t *table) {
+    const __m512i lo32 = _mm512_set1_epi64(0xFFFFFFFF);
+    __m512i m = _mm512_and_si512(w, _mm512_set1_epi32(0x7FFFFFFF));
+    /* the octave as in gauss8: the exponent field of (float)(m >> 8), exact */
+    __m512i e = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srli_epi32(m, 8))), 23);
+    __m512i sh = _mm512_max_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(129)), _mm512_setzero_si512());
+    __m512i idx = _mm512_add_epi32(_mm512_srlv_epi32(m, sh), _mm512_add_epi32(_mm512_slli_epi32(sh, 10), sh));
+    __m512i f = _mm512_and_si512(m, _mm512_sub_epi32(_mm512_sllv_epi32(_mm512_set1_epi32(1), sh),
+                                                     _mm512_set1_epi32(1))); /* m mod 2^sh */
+    /* (T[idx], T[idx + 1]) as one 64-bit gather per lane, lanes 0-7 then 8-15; lo = T[idx] and T[idx + 1] are
+     * their even and odd words */
+    __m512i pa = _mm512_i32gather_epi64(_mm512_castsi512_si256(idx), (const void *)table, 4);
+    __m512i pb = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(idx, 1), (const void *)table, 4);
+    __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    __m512i lo = _mm512_permutex2var_epi32(pa, even, pb);
+    __m512i d = _mm512_sub_epi32(_mm512_permutex2var_epi32(pa, _mm512_add_epi32(even, _mm512_set1_epi32(1)), pb), lo);
+    /* (d * f) >> sh, arithmetic, on the signed 64-bit products: even lanes, then odd */
+    __m512i qe = _mm512_srav_epi64(_mm512_mul_epi32(d, f), _mm512_and_si512(sh, lo32));
+    __m512i qo = _mm512_srav_epi64(_mm512_mul_epi32(_mm512_srli_epi64(d, 32), _mm512_srli_epi64(f, 32)),
+                                   _mm512_srli_epi64(sh, 32));
+    __m512i z = _mm512_add_epi32(lo, _mm512_mask_blend_epi32(0xAAAA, qe, _mm512_slli_epi64(qo, 32)));
+    __m512i s = _mm512_srai_epi32(w, 31);
+    z = _mm512_sub_epi32(_mm512_xor_si512(z, s), s);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(z), _mm512_set1_ps(0x1p-28f));
+}
+
+AVX512 __m512 eps16(__m512i w, const int32_t *table, int kind) {
+    if (kind) {
+        __m512i sign = _mm512_and_si512(w, _mm512_set1_epi32((int)0x80000000u));
+        return _mm512_castsi512_ps(_mm512_or_si512(sign, _mm512_set1_epi32(0x3F800000)));
+    }
+    return gauss16(w, table);
+}
+
+__attribute__((target("avx512f"))) static int64_t avx512_blocks(uint64_t first, int64_t n, uint32_t k0, uint32_t k1,
+                                                               const int32_t *table, int kind, float *o) {
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i m0 = _mm512_set1_epi32((int)M0), m1 = _mm512_set1_epi32((int)M1);
+    int64_t done = n - n % 16;
+    for (int64_t j = 0; j < done; j += 16) {
+        uint64_t b = first + (uint64_t)j;
+        __m512i base = _mm512_set1_epi32((int)(uint32_t)b);
+        __m512i x0 = _mm512_add_epi32(base, iota);
+        __mmask16 wrapped = _mm512_cmplt_epu32_mask(x0, base); /* the low word wrapped: carry into the high */
+        __m512i hi = _mm512_set1_epi32((int)(uint32_t)(b >> 32));
+        __m512i x1 = _mm512_mask_add_epi32(hi, wrapped, hi, _mm512_set1_epi32(1));
+        __m512i x2 = _mm512_setzero_si512(), x3 = _mm512_setzero_si512();
+        uint32_t r0 = k0, r1 = k1;
+        for (int r = 0; r < 10; ++r) {
+            __m512i hi0, lo0, hi1, lo1;
+            mulhilo16(x0, m0, &hi0, &lo0);
+            mulhilo16(x2, m1, &hi1, &lo1);
+            x0 = _mm512_xor_si512(_mm512_xor_si512(hi1, x1), _mm512_set1_epi32((int)r0));
+            x2 = _mm512_xor_si512(_mm512_xor_si512(hi0, x3), _mm512_set1_epi32((int)r1));
+            x1 = lo1;
+            x3 = lo0;
+            r0 += W0; r1 += W1;
+        }
+        __m512i e0 = _mm512_castps_si512(eps16(x0, table, kind)), e1 = _mm512_castps_si512(eps16(x1, table, kind));
+        __m512i e2 = _mm512_castps_si512(eps16(x2, table, kind)), e3 = _mm512_castps_si512(eps16(x3, table, kind));
+        /* word k of block l to ob[4 l + k]: the AVX2 unpacks leave blocks l, l + 4, l + 8, l + 12 in the four
+         * 128-bit lanes of u_l; a 4 x 4 transpose of 128-bit lanes puts them in order */
+        __m512i t0 = _mm512_unpacklo_epi32(e0, e1), t1 = _mm512_unpackhi_epi32(e0, e1);
+        __m512i t2 = _mm512_unpacklo_epi32(e2, e3), t3 = _mm512_unpackhi_epi32(e2, e3);
+        __m512i u0 = _mm512_unpacklo_epi64(t0, t2), u1 = _mm512_unpackhi_epi64(t0, t2);
+        __m512i u2 = _mm512_unpacklo_epi64(t1, t3), u3 = _mm512_unpackhi_epi64(t1, t3);
+        __m512i v0 = _mm512_shuffle_i32x4(u0, u1, 0x44), v1 = _mm512_shuffle_i32x4(u0, u1, 0xEE);
+        __m512i v2 = _mm512_shuffle_i32x4(u2, u3, 0x44), v3 = _mm512_shuffle_i32x4(u2, u3, 0xEE);
+        float *ob = o + 4 * j;
+        _mm512_storeu_si512((void *)ob, _mm512_shuffle_i32x4(v0, v2, 0x88));
+        _mm512_storeu_si512((void *)(ob + 16), _mm512_shuffle_i32x4(v0, v2, 0xDD));
+        _mm512_storeu_si512((void *)(ob + 32), _mm512_shuffle_i32x4(v1, v3, 0x88));
+        _mm512_storeu_si512((void *)(ob + 48), _mm512_shuffle_i32x4(v1, v3, 0xDD));
+    }
+    return done;
+}
+
+__attribute__((target("avx512f"))) static int64_t avx512_gauss_words(const uint32_t *w, int64_t n,
+                                                                    const int32_t *table, float *out) {
+    int64_t done = n - n % 16;
+    for (int64_t i = 0; i < done; i += 16)
+        _mm512_storeu_ps(out + i, gauss16(_mm512_loadu_si512((const void *)(w + i)), table));
+    return done;
+}
 #endif
 
 /* ------------------------------------------------------------------------------------------- exports */
 
-/* 1 when `simd` calls take the AVX2 path on this CPU (compiled in and supported), else 0 */
+/* the widest path this CPU takes (compiled in and supported): 2 AVX-512, 1 AVX2, 0 scalar. A call's `simd`
+ * argument caps it (0: scalar only, 1: at most AVX2), so tests can compare every path on one machine. */
 int esbatch_noise_simd(void) {
 #ifdef ESBATCH_AVX2
     __builtin_cpu_init(); /* idempotent; needed if called before the constructors run */
+    if (__builtin_cpu_supports("avx512f")) return 2;
     return __builtin_cpu_supports("avx2") ? 1 : 0;
 #else
     return 0;
 #endif
 }
 
-/* eps of elements start .. start + count - 1 into out; kind 0: gauss, 1: rademacher; simd 0: the scalar path */
+static int level(int simd) {
+    int have = esbatch_noise_simd();
+    return simd < have ? simd : have;
+}
+
+/* eps of elements start .. start + count - 1 into out; kind 0: gauss, 1: rademacher; simd: the widest path allowed
+ * (0 scalar, 1 AVX2, 2 AVX-512) */
 void esbatch_noise(uint64_t start, int64_t count, uint32_t k0, uint32_t k1, const int32_t *table, int kind,
                    int simd, float *out) {
     if (count <= 0) return;
@@ -238,7 +345,9 @@ void esbatch_noise(uint64_t start, int64_t count, uint32_t k0, uint32_t k1, cons
     float *o = out + (first * 4 - start);
     int64_t n = (int64_t)(last - first), done = 0;
 #ifdef ESBATCH_AVX2
-    if (simd && esbatch_noise_simd()) done = avx2_blocks(first, n, k0, k1, table, kind, o);
+    int lv = level(simd);
+    if (lv >= 2) done = avx512_blocks(first, n, k0, k1, table, kind, o);
+    if (lv >= 1) done += avx2_blocks(first + (uint64_t)done, n - done, k0, k1, table, kind, o + 4 * done);
 #else
     (void)simd;
 #endif
@@ -249,7 +358,9 @@ void esbatch_noise(uint64_t start, int64_t count, uint32_t k0, uint32_t k1, cons
 void esbatch_gauss_words(const uint32_t *w, int64_t n, const int32_t *table, int simd, float *out) {
     int64_t done = 0;
 #ifdef ESBATCH_AVX2
-    if (simd && esbatch_noise_simd()) done = avx2_gauss_words(w, n, table, out);
+    int lv = level(simd);
+    if (lv >= 2) done = avx512_gauss_words(w, n, table, out);
+    if (lv >= 1) done += avx2_gauss_words(w + done, n - done, table, out + done);
 #else
     (void)simd;
 #endif
@@ -273,4 +384,76 @@ void esbatch_noise_axpy(uint64_t start, int64_t count, uint32_t k0, uint32_t k1,
             d[i] = e + b[i];
         }
     }
+}
+
+/* acc[i] = fma(w, e[i], acc[i]) for i < m: torch's acc.add_(e, alpha=w) on fp32 CPU tensors, whose vectorized
+ * and scalar loops both compute one fused multiply-add (tests/unit/test_noise.py compares them bit for bit) */
+#ifdef ESBATCH_AVX2
+__attribute__((target("avx512f"))) static int64_t fma_avx512(float *acc, float w, const float *e, int64_t m) {
+    int64_t done = m - m % 16;
+    __m512 wv = _mm512_set1_ps(w);
+    for (int64_t i = 0; i < done; i += 16)
+        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(e + i), _mm512_loadu_ps(acc + i)));
+    return done;
+}
+
+__attribute__((target("avx2,fma"))) static int64_t fma_avx2(float *acc, float w, const float *e, int64_t m) {
+    int64_t done = m - m % 8;
+    __m256 wv = _mm256_set1_ps(w);
+    for (int64_t i = 0; i < done; i += 8)
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(e + i), _mm256_loadu_ps(acc + i)));
+    return done;
+}
+#endif
+
+static void fma_block(float *acc, float w, const float *e, int64_t m, int lv) {
+    int64_t done = 0;
+#ifdef ESBATCH_AVX2
+    if (lv >= 2) done = fma_avx512(acc, w, e, m);
+    else if (lv >= 1 && __builtin_cpu_supports("fma")) done = fma_avx2(acc, w, e, m);
+#else
+    (void)lv;
+#endif
+    for (int64_t i = done; i < m; ++i) acc[i] = fmaf(w, e[i], acc[i]); /* correctly rounded, also without FMA */
+}
+
+/* out[i] = sum over directions d, in order, of w[d] * eps_d[i] for elements start .. start + count - 1 (keys
+ * k0[d], k1[d]): the accumulation of an ES update, with the same roundings as starting from zeros and calling
+ * torch's acc.add_(eps_d, alpha=w[d]) per direction, in one pass over out (eps and the running sum of a block
+ * stay in cache) instead of a write and a read-modify-write per direction. */
+void esbatch_noise_accumulate(uint64_t start, int64_t count, int nd, const uint32_t *k0, const uint32_t *k1,
+                              const float *w, const int32_t *table, int kind, int simd, float *out) {
+    float buf[AXPY_BLOCK];
+    int lv = level(simd);
+    for (int64_t j = 0; j < count; j += AXPY_BLOCK) {
+        int64_t m = count - j < AXPY_BLOCK ? count - j : AXPY_BLOCK;
+        float *acc = out + j;
+        memset(acc, 0, (size_t)m * sizeof(float));
+        for (int d = 0; d < nd; ++d) {
+            esbatch_noise(start + (uint64_t)j, m, k0[d], k1[d], table, kind, simd, buf);
+            fma_block(acc, w[d], buf, m, lv);
+        }
+    }
+}
+
+/* The whole ES update of elements start .. start + count - 1 of an fp32 center, in one pass: per element
+ *     acc = sum_d w[d] * eps_d   (esbatch_noise_accumulate's fused multiply-adds)
+ *     a   = acc * scale          (one fp32 rounding: torch's acc.mul_(scale))
+ *     dst = dst + a              (one fp32 rounding: torch's dst.add_(acc))
+ * and returns sum a^2 in double (the update's squared L2 over these elements). */
+double esbatch_noise_update(uint64_t start, int64_t count, int nd, const uint32_t *k0, const uint32_t *k1,
+                            const float *w, const int32_t *table, int kind, int simd, float scale, float *dst) {
+    float acc[AXPY_BLOCK];
+    double sq = 0.0;
+    for (int64_t j = 0; j < count; j += AXPY_BLOCK) {
+        int64_t m = count - j < AXPY_BLOCK ? count - j : AXPY_BLOCK;
+        esbatch_noise_accumulate(start + (uint64_t)j, m, nd, k0, k1, w, table, kind, simd, acc);
+        float *d = dst + j;
+        for (int64_t i = 0; i < m; ++i) {
+            float a = acc[i] * scale;
+            sq += (double)a * (double)a;
+            d[i] = d[i] + a;
+        }
+    }
+    return sq;
 }

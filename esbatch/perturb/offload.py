@@ -36,8 +36,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from esbatch.perturb.noise import DEFAULT_NOISE, check_noise, draw, eps_device, perturb_into, spans
-from esbatch.perturb.update import UpdateSpec, flat, step_chunk
+from esbatch.perturb.noise import DEFAULT_NOISE, check_noise, draw, eps_device, perturb_into, run_jobs, spans
+from esbatch.perturb.update import UpdateSpec, cpu_jobs, flat, step_chunk
 
 MASTERS = ("device", "host", "disk")  # es.master
 
@@ -201,14 +201,19 @@ class OffloadedWeights:
             where = eps_device(self.noise, p.device)
             with flat(p) as dst:
                 for s, e in spans(p.numel(), self.noise):
-                    acc = step_chunk(spec, name, s, e, where, self.noise)
                     c = self.center.read(name, s, e, p.device)
-                    c.add_(acc.to(p.device))
+                    if (jobs := cpu_jobs(spec, name, c, s, self.noise)) is not None:
+                        parts = run_jobs(jobs)  # fp32 on the CPU: the C kernel, es_update's bits and parts
+                    else:
+                        acc = step_chunk(spec, name, s, e, where, self.noise)
+                        c.add_(acc.to(p.device))
+                        parts = [float(torch.linalg.vector_norm(acc, dtype=torch.float64)) ** 2]
+                    for q in parts:  # in es_update's order: the same float64 sum
+                        sq += q
                     self.center.write(name, s, c)
                     new = c.to(p.dtype)
                     changed += int((new != dst[s:e]).sum())
                     dst[s:e].copy_(new)
-                    sq += float(torch.linalg.vector_norm(acc, dtype=torch.float64)) ** 2
             if self.copy is not None:
                 self.copy[name].copy_(p)
             total += p.numel()

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from esbatch.perturb.noise import DEFAULT_NOISE, draw, eps_device, spans
+from esbatch.perturb.noise import DEFAULT_NOISE, accumulate, draw, eps_device, run_jobs, spans, update_jobs
 
 
 @dataclass(frozen=True)
@@ -70,12 +70,22 @@ def es_update(center: Mapping[str, torch.Tensor], spec: UpdateSpec, noise: str =
     accumulated in fp32 and added once per element, so small steps are not lost to rounding in a low-precision
     compute dtype. Directions with w_i == 0 contribute nothing and are skipped. Philox noise is drawn and summed
     on the center's device in chunks of noise.CHUNK elements (the same per-element operations as one pass);
-    legacy-cpu sums whole tensors on the CPU, as runs made with it did.
+    on the CPU the C kernel does those operations in one pass over each tensor (noise.update_into, tested bit
+    for bit against them; the L2, a logged metric only, is summed in a different order than before 2026-12-02
+    and may differ in its last bits). legacy-cpu sums whole tensors on the CPU, as runs made with it did.
     """
-    sq = 0.0
     for name, theta in center.items():
         if theta.dtype != torch.float32:
             raise TypeError(f"{name}: the ES center must be fp32, got {theta.dtype}")
+    # fp32 on the CPU: the C kernel, every tensor's jobs in one run (the same bits as the chunks below)
+    jobs = {name: j for name, theta in center.items() if (j := cpu_jobs(spec, name, theta, 0, noise)) is not None}
+    parts = iter(run_jobs([job for j in jobs.values() for job in j]))
+    sq = 0.0
+    for name, theta in center.items():
+        if name in jobs:
+            for _ in jobs[name]:
+                sq += next(parts)
+            continue
         where = eps_device(noise, theta.device)
         with flat(theta) as dst:
             for s, e in spans(theta.numel(), noise):
@@ -85,12 +95,24 @@ def es_update(center: Mapping[str, torch.Tensor], spec: UpdateSpec, noise: str =
     return sq**0.5
 
 
+def cpu_jobs(spec: UpdateSpec, name: str, dst: torch.Tensor, start: int, noise: str) -> list[tuple] | None:
+    """C kernel jobs (noise.run_jobs) adding step_chunk's step to ``dst`` (elements start.. of tensor ``name``,
+    fp32 contiguous on the CPU) in one pass, each returning its squared-L2 part (noise.update_into); None where
+    that path does not apply."""
+    used = [(seed, w) for seed, w in zip(spec.seeds, spec.weights) if w != 0.0]
+    seeds, weights = [s for s, _ in used], [w for _, w in used]
+    return update_jobs(seeds, weights, spec.alpha / spec.n, name, dst, start, noise)
+
+
 def step_chunk(spec: UpdateSpec, name: str, s: int, e: int, where: torch.device, noise: str) -> torch.Tensor:
     """alpha / N * sum_i w_i eps_i on elements s .. e-1 of tensor ``name``: fp32 on ``where``, summed in logged
-    order (the one arithmetic of es_update, shared by the offloaded centers of esbatch/perturb/offload.py)."""
-    acc = torch.zeros(e - s, dtype=torch.float32, device=where)
-    for seed, w in zip(spec.seeds, spec.weights):
-        if w != 0.0:
+    order (the one arithmetic of es_update, shared by the offloaded centers of esbatch/perturb/offload.py).
+    On the CPU the C kernel sums every direction in one pass (noise.accumulate)."""
+    used = [(seed, w) for seed, w in zip(spec.seeds, spec.weights) if w != 0.0]
+    acc = accumulate(*zip(*used), name, s, e - s, noise) if used and where.type == "cpu" else None
+    if acc is None:  # the same sum with torch ops: a draw and an add_ per direction (CUDA, or no C kernel)
+        acc = torch.zeros(e - s, dtype=torch.float32, device=where)
+        for seed, w in used:
             acc.add_(draw(seed, name, s, e - s, where, noise), alpha=w)
     return acc.mul_(spec.alpha / spec.n)
 

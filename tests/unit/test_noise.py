@@ -74,35 +74,41 @@ def test_draw_is_bit_equal_to_the_numpy_reference(noise, kind, fast):
 
 
 @pytest.mark.parametrize("noise,kind", [("philox-gauss", "gauss"), ("philox-rademacher", "rademacher")])
-@pytest.mark.parametrize("simd", [True, False], ids=["avx2", "scalar"])
-def test_both_c_kernel_paths_are_bit_equal_to_the_numpy_reference(noise, kind, simd, monkeypatch):
-    """The kernel's AVX2 path (where the CPU has it) and its scalar path (other CPUs, ragged ends) give the same
-    bits: spans with every start and end residue mod 32 (8 blocks of 4 per AVX2 step) and a long one."""
+@pytest.mark.parametrize("simd", [2, 1, 0], ids=["avx512", "avx2", "scalar"])
+def test_every_c_kernel_path_is_bit_equal_to_the_numpy_reference(noise, kind, simd, monkeypatch):
+    """The kernel's AVX-512 and AVX2 paths (where the CPU has them) and its scalar path (other CPUs, ragged ends)
+    give the same bits: spans with every start and end residue mod 64 (16 blocks of 4 per AVX-512 step, whose
+    remainder goes through the AVX2 and then the scalar path), long ones, and counters whose low word wraps."""
     if N._cpu_lib() is None:
         pytest.skip("no C compiler here")
+    if N._cpu_lib().esbatch_noise_simd() < simd:
+        pytest.skip(f"this CPU has no {N.SIMD_PATHS[simd]}")
     monkeypatch.setattr(N, "CPU_SIMD", simd)
     tab = table()
-    spans = [(s, c) for s in range(0, 33, 3) for c in (1, 5, 31, 32, 33, 95)] + [(2**32 * 4 - 61, 200)]
+    spans = [(s, c) for s in range(0, 65, 3) for c in (1, 5, 31, 32, 33, 63, 64, 65, 95, 191)]
+    spans += [(2**32 * 4 - 61, 200), (2**32 * 4 - 250, 500)]
     spans += [(7, 3 * N.PARALLEL_MIN + 13)]  # several threads when torch has them
     for start, count in spans:
         got = draw(5, "w", start, count, "cpu", noise).numpy()
         assert np.array_equal(_bits(got), _bits(ref_eps(5, "w", start, count, tab, kind))), (start, count)
 
 
-def test_avx2_path_is_taken_where_the_cpu_has_it():
+def test_the_widest_path_the_cpu_has_is_taken():
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     if platform.machine() != "x86_64" or "avx2" not in flags or N._cpu_lib() is None:
         pytest.skip("not an x86-64 CPU with AVX2 and a C compiler")
-    assert N.cpu_simd()
+    assert N.cpu_simd() == ("avx512" if "avx512f" in flags else "avx2")
 
 
-@pytest.mark.parametrize("simd", [True, False], ids=["avx2", "scalar"])
+@pytest.mark.parametrize("simd", [2, 1, 0], ids=["avx512", "avx2", "scalar"])
 def test_c_gaussian_transform_at_octave_edges_equals_the_reference(simd):
     """Words no Philox draw is likely to hit: every m below 4096 (the direct entries and the first octaves), each
     power of two +-2 (octave edges, where a rounded float conversion would pick the wrong octave), the largest m,
     each with both signs."""
     if N._cpu_lib() is None:
         pytest.skip("no C compiler here")
+    if N._cpu_lib().esbatch_noise_simd() < simd:
+        pytest.skip(f"this CPU has no {N.SIMD_PATHS[simd]}")
     ms = set(range(4096)) | {2**31 - 1}
     ms |= {(1 << k) + d for k in range(8, 31) for d in (-2, -1, 0, 1, 2) if (1 << k) + d < 2**31}
     ms = np.array(sorted(ms), dtype=np.uint64)
@@ -238,7 +244,7 @@ def test_one_pass_c_perturbation_has_the_bits_of_the_torch_ops(noise, threads, m
         3e38,
         *torch.randn(8, generator=g, dtype=torch.float64).tolist(),
     ]
-    for start, count in [(0, 5), (3, 4099), ((1 << 20) + 1, 30_001), (7, 2 * N.PARALLEL_MIN + 13)]:
+    for start, count in [(0, 5), (3, 4099), ((1 << 20) + 1, 30_001), (N.JOB - 5, 2 * N.JOB + 13)]:
         base = torch.randn(count, generator=g) * torch.logspace(-30, 30, count).float()
         eps = draw(11, "w", start, count, "cpu", noise)
         for scale in scales:
@@ -249,6 +255,55 @@ def test_one_pass_c_perturbation_has_the_bits_of_the_torch_ops(noise, threads, m
     assert not N.perturb_into(1, "w", 0, 1.0, torch.zeros(8), bf16, noise)  # not fp32: the torch ops do it
     assert not N.perturb_into(1, "w", 0, 1.0, torch.zeros(8), torch.zeros(16)[::2], noise)  # not contiguous
     assert not N.perturb_into(1, "w", 0, 1.0, torch.zeros(8), torch.zeros(8), "legacy-cpu")
+
+
+def _torch_step(spec, name, start, count, noise):
+    """update.step_chunk's torch arithmetic, written out: zeros, one add_(eps, alpha=w) per used direction in
+    logged order, then mul_(alpha / N)."""
+    acc = torch.zeros(count)
+    for seed, w in zip(spec.seeds, spec.weights):
+        if w != 0.0:
+            acc.add_(draw(seed, name, start, count, "cpu", noise), alpha=w)
+    return acc.mul_(spec.alpha / spec.n)
+
+
+@pytest.mark.parametrize("noise", ["philox-gauss", "philox-rademacher"])
+@pytest.mark.parametrize("simd", [2, 1, 0], ids=["avx512", "avx2", "scalar"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_c_update_kernels_have_the_bits_of_the_torch_ops(noise, simd, threads, monkeypatch):
+    """noise.accumulate and noise.update_into (the whole ES update in one pass) against the torch ops they
+    replace, on every kernel path and thread count: weights that are 0, negative, tiny, huge and not fp32-exact,
+    a center spanning several JOB jobs from an unaligned start, and ragged ends. A kernel rounding w * eps
+    before adding it (two roundings instead of torch's one fused multiply-add) fails on about 20% of elements.
+    The squared-L2 parts are the same on any thread count and whether the tensor is done whole or in chunks."""
+    if N._cpu_lib() is None:
+        pytest.skip("no C compiler: the torch ops run instead")
+    if N._cpu_lib().esbatch_noise_simd() < simd:
+        pytest.skip(f"this CPU has no {N.SIMD_PATHS[simd]}")
+    monkeypatch.setattr(N, "CPU_SIMD", simd)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(3)
+    spec = UpdateSpec((4, 9, 2, 17, 5, 8), (0.37, 0.0, -1.3, 1e-30, 2.7e3, 1 / 3), 0.013, 7)
+    for start, count in [(0, 5), (3, 4099), (N.JOB - 7, 2 * N.JOB + 11), (2**33 + 1, 3001)]:
+        want = _torch_step(spec, "w", start, count, noise)
+        used = [(s, w) for s, w in zip(spec.seeds, spec.weights) if w != 0.0]
+        seeds, weights = [s for s, _ in used], [w for _, w in used]
+        acc = N.accumulate(seeds, weights, "w", start, count, noise)
+        assert torch.equal(acc.mul_(spec.alpha / spec.n), want), (start, count)
+        center = torch.randn(count, generator=g)
+        got = center.clone()
+        parts = N.update_into(seeds, weights, spec.alpha / spec.n, "w", got, start, noise)
+        assert torch.equal(got, center.clone().add_(want)), (start, count)
+        assert math.isclose(sum(parts), float((want.double() ** 2).sum()), rel_tol=1e-12)
+        cut = (start // N.JOB + 1) * N.JOB - start  # a chunk boundary on a job boundary
+        if cut < count:
+            again = center.clone()
+            parts2 = N.update_into(seeds, weights, spec.alpha / spec.n, "w", again[:cut], start, noise)
+            parts2 += N.update_into(seeds, weights, spec.alpha / spec.n, "w", again[cut:], start + cut, noise)
+            assert torch.equal(again, got) and parts2 == parts
+    assert N.update_into([1], [1.0], 1.0, "w", torch.zeros(16)[::2], 0, noise) is None  # not contiguous
+    assert N.update_into([1], [1.0], 1.0, "w", torch.zeros(8, dtype=torch.bfloat16), 0, noise) is None
+    assert N.accumulate([1], [1.0], "w", 0, 8, "legacy-cpu") is None
 
 
 def test_chunked_inplace_update_equals_one_pass_math_in_bfloat16():
