@@ -68,7 +68,19 @@ class _Batch:
     members: int
     a: dict[str, torch.Tensor] = field(default_factory=dict)  # (U, m, r): s_i A_i / sqrt(r), compute dtype
     b: dict[str, torch.Tensor] = field(default_factory=dict)  # (U, n, r): B_i
+    at: dict[str, torch.Tensor] = field(default_factory=dict)  # (U, r, m): a transposed, contiguous
+    bt: dict[str, torch.Tensor] = field(default_factory=dict)  # (U, r, n): b transposed, contiguous
     vec: dict[str, torch.Tensor] = field(default_factory=dict)  # (U, d): s_i eps_i
+
+
+def _add_outer(y: torch.Tensor, left: torch.Tensor, right_t: torch.Tensor) -> None:
+    """y (U, L, k) += left (U, L, r) @ right_t (U, r, k) in place. At r = 1 a broadcast multiply-add: baddbmm_
+    ran 3.7-7x slower on this CPU (torch 2.13, U=32, L=4, k=1536 and 49152: 139-185 against 50 us, 4.3-6.3 ms
+    against 0.9 ms); at r = 4 baddbmm_ beat r multiply-adds (53 against 92 us, 2.6 against 4.5 ms)."""
+    if left.shape[-1] == 1:
+        y.addcmul_(left, right_t)
+    else:
+        y.baddbmm_(left, right_t)
 
 
 class LowRankPopulation:
@@ -119,6 +131,8 @@ class LowRankPopulation:
                 fs = [factors(seed, name, p.shape, self.rank, self.weights.noise, p.device) for seed, _, _ in members]
                 batch.a[name] = torch.stack([a.mul_(s * c) for (a, _), (_, s, _) in zip(fs, members)]).to(p.dtype)
                 batch.b[name] = torch.stack([b for _, b in fs]).to(p.dtype)
+                batch.at[name] = batch.a[name].transpose(1, 2).contiguous()
+                batch.bt[name] = batch.b[name].transpose(1, 2).contiguous()
             else:
                 where = eps_device(self.weights.noise, p.device)
                 eps = [direction(seed, name, p.shape, self.weights.noise, where) * s for seed, s, _ in members]
@@ -138,14 +152,14 @@ class LowRankPopulation:
         if site.kind == "linear":
             if site.weight:
                 xb = torch.bmm(x.reshape(u, -1, x.shape[-1]), batch.b[site.weight])  # (U, L, r)
-                y.baddbmm_(xb, batch.a[site.weight].transpose(1, 2))
+                _add_outer(y, xb, batch.at[site.weight])
             if site.bias:
                 y.add_(batch.vec[site.bias][:, None, :])
         elif site.kind == "embedding":
             ids = x.reshape(u, -1, 1)
             a = batch.a[site.weight]
             rows = torch.gather(a, 1, ids.expand(-1, -1, a.shape[-1]))  # (U, L, r): rows t of s A / sqrt(r)
-            y.baddbmm_(rows, batch.b[site.weight].transpose(1, 2))
+            _add_outer(y, rows, batch.bt[site.weight])
         else:  # rmsnorm
             h = x.to(torch.float32)
             h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)).to(x.dtype)
