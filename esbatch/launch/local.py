@@ -75,7 +75,10 @@ class LocalLauncher(Launcher):
                     del live[key]
             if self.tick:
                 self.tick()
-            time.sleep(0.5)
+            for _ in range(10):  # 0.5 s between polls, but a stop is passed on to the tasks within 50 ms
+                if stop.requested() and not told:
+                    break
+                time.sleep(0.05)
 
     @staticmethod
     def _next(queue: list[str], after: dict, codes: dict, live: dict, record: dict) -> str | None:

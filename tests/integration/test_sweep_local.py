@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 from toy import toy_config
 
 ROOT = Path(__file__).resolve().parents[2]
-UPDATES = 6
+UPDATES = 30  # a tiny-model update takes ~25 ms: enough of them that Ctrl-C lands mid-run
 
 
 def write_sweep(tmp: Path, model_dir: Path) -> Path:
@@ -73,7 +73,7 @@ def test_interrupted_local_sweep_resumes_without_duplicates(tmp_path, tiny_model
         log = sweep_dir / "runs" / str(first) / "log.jsonl"
         if first and log.exists() and len(log.read_text().splitlines()) >= 2:
             break
-        time.sleep(0.2)
+        time.sleep(0.05)
     proc.send_signal(signal.SIGINT)  # Ctrl-C: the launcher stops its task, which marks the run killed
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
