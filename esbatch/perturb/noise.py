@@ -440,8 +440,12 @@ def update_jobs(
     start: int = 0,
     noise: str = DEFAULT_NOISE,
 ) -> list[tuple[Any, ...]] | None:
-    """The C kernel jobs of update_into (for run_jobs; each returns its squared-L2 part), or None where that path
-    does not apply."""
+    """C kernel jobs (for run_jobs) doing dst += scale * sum_d weights[d] * eps(seeds[d], name)[start : start +
+    dst.numel()] on an fp32 CPU tensor in one pass, with the bits of update.step_chunk's torch ops; or None
+    (nothing to run) where the kernel does not apply. Each job returns its squared-L2 part in float64; jobs are
+    cut at absolute multiples of JOB, so a tensor done whole or chunk by chunk, on any thread count, yields the
+    same parts to sum in order. A whole model's jobs run at once: torch ops between chunks would leave OpenMP
+    threads spinning on the cores the kernel needs (measured: it doubled the update's time)."""
     lib = _cpu_lib() if check_noise(noise) != LEGACY_NOISE else None
     ok = dst.dtype == torch.float32 and dst.device.type == "cpu" and dst.is_contiguous()
     if lib is None or not ok or dst.numel() == 0:
@@ -452,25 +456,6 @@ def update_jobs(
     args += (0 if noise == "philox-gauss" else 1, int(CPU_SIMD), scale)
     fn, dp, cuts = lib.esbatch_noise_update, dst.data_ptr(), _cuts(start, start + dst.numel())
     return [(fn, a, b - a, *args, dp + 4 * (a - start)) for a, b in zip(cuts, cuts[1:])]
-
-
-def update_into(
-    seeds: Sequence[int],
-    weights: Sequence[float],
-    scale: float,
-    name: str,
-    dst: torch.Tensor,
-    start: int = 0,
-    noise: str = DEFAULT_NOISE,
-) -> list[float] | None:
-    """dst += scale * sum_d weights[d] * eps(seeds[d], name)[start : start + dst.numel()] for an fp32 CPU tensor
-    in one pass of the C kernel, with the bits of update.step_chunk's torch ops. Returns the step's squared L2 in
-    float64 parts, one per job of JOB elements cut at absolute multiples of JOB (so a tensor done whole or chunk
-    by chunk, on any thread count, yields the same parts to sum in order), or None (nothing written) where the
-    kernel does not apply. No torch op runs between a tensor's chunks, whose OpenMP threads would spin on the
-    cores the kernel's threads need (measured: it doubled the update's time)."""
-    jobs = update_jobs(seeds, weights, scale, name, dst, start, noise)
-    return None if jobs is None else run_jobs(jobs)
 
 
 def direction(

@@ -271,7 +271,7 @@ def _torch_step(spec, name, start, count, noise):
 @pytest.mark.parametrize("simd", [2, 1, 0], ids=["avx512", "avx2", "scalar"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_c_update_kernels_have_the_bits_of_the_torch_ops(noise, simd, threads, monkeypatch):
-    """noise.accumulate and noise.update_into (the whole ES update in one pass) against the torch ops they
+    """noise.accumulate and noise.update_jobs (the whole ES update in one pass) against the torch ops they
     replace, on every kernel path and thread count: weights that are 0, negative, tiny, huge and not fp32-exact,
     a center spanning several JOB jobs from an unaligned start, and ragged ends. A kernel rounding w * eps
     before adding it (two roundings instead of torch's one fused multiply-add) fails on about 20% of elements.
@@ -292,17 +292,19 @@ def test_c_update_kernels_have_the_bits_of_the_torch_ops(noise, simd, threads, m
         assert torch.equal(acc.mul_(spec.alpha / spec.n), want), (start, count)
         center = torch.randn(count, generator=g)
         got = center.clone()
-        parts = N.update_into(seeds, weights, spec.alpha / spec.n, "w", got, start, noise)
+        parts = N.run_jobs(N.update_jobs(seeds, weights, spec.alpha / spec.n, "w", got, start, noise))
         assert torch.equal(got, center.clone().add_(want)), (start, count)
         assert math.isclose(sum(parts), float((want.double() ** 2).sum()), rel_tol=1e-12)
         cut = (start // N.JOB + 1) * N.JOB - start  # a chunk boundary on a job boundary
         if cut < count:
             again = center.clone()
-            parts2 = N.update_into(seeds, weights, spec.alpha / spec.n, "w", again[:cut], start, noise)
-            parts2 += N.update_into(seeds, weights, spec.alpha / spec.n, "w", again[cut:], start + cut, noise)
+            parts2 = N.run_jobs(N.update_jobs(seeds, weights, spec.alpha / spec.n, "w", again[:cut], start, noise))
+            parts2 += N.run_jobs(
+                N.update_jobs(seeds, weights, spec.alpha / spec.n, "w", again[cut:], start + cut, noise)
+            )
             assert torch.equal(again, got) and parts2 == parts
-    assert N.update_into([1], [1.0], 1.0, "w", torch.zeros(16)[::2], 0, noise) is None  # not contiguous
-    assert N.update_into([1], [1.0], 1.0, "w", torch.zeros(8, dtype=torch.bfloat16), 0, noise) is None
+    assert N.update_jobs([1], [1.0], 1.0, "w", torch.zeros(16)[::2], 0, noise) is None  # not contiguous
+    assert N.update_jobs([1], [1.0], 1.0, "w", torch.zeros(8, dtype=torch.bfloat16), 0, noise) is None
     assert N.accumulate([1], [1.0], "w", 0, 8, "legacy-cpu") is None
 
 
