@@ -56,8 +56,9 @@ def toy_config(model_dir: str | Path, *, heldout: int = 4, gen_batch: int = 8, *
     return {k: v for k, v in cfg.items() if v is not None}
 
 
-def make_tiny_model(path: str | Path, seed: int = 0, *, hidden: int = 32, heads: int = 4) -> Path:
-    """Save a 2-layer Llama (hidden 32) with a character-level tokenizer as an HF directory.
+def make_tiny_model(path: str | Path, seed: int = 0, *, hidden: int = 32, heads: int = 4, kind: str = "llama") -> Path:
+    """Save a 2-layer Llama (hidden 32, tied embeddings) with a character-level tokenizer as an HF directory;
+    ``kind="qwen2"``: a Qwen2 (q/k/v biases, given values; untied lm_head).
 
     vLLM's CPU attention needs head_dim >= 32 or so: use hidden=128, heads=2 for it."""
     import torch
@@ -75,7 +76,7 @@ def make_tiny_model(path: str | Path, seed: int = 0, *, hidden: int = 32, heads:
     )
     tok.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    common = dict(
         vocab_size=len(vocab),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -83,12 +84,20 @@ def make_tiny_model(path: str | Path, seed: int = 0, *, hidden: int = 32, heads:
         num_attention_heads=heads,
         num_key_value_heads=heads // 2,
         max_position_embeddings=256,
-        tie_word_embeddings=True,
         bos_token_id=2,
         eos_token_id=3,
         pad_token_id=0,
     )
-    model = LlamaForCausalLM(cfg)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
+    else:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False))
+        with torch.no_grad():  # HF initializes biases to zero: give them values so their noise shows
+            for n, p in model.named_parameters():
+                if n.endswith("bias"):
+                    p.normal_(0, 0.1)
     path = Path(path)
     model.save_pretrained(path)
     tok.save_pretrained(path)

@@ -32,10 +32,10 @@ def fused_name(hf_name: str) -> tuple[str, int] | None:
     return ".".join([*prefix, target, leaf]), pos
 
 
-def hf_views(
+def hf_rows(
     engine_params: Mapping[str, torch.Tensor], hf_shapes: Mapping[str, tuple[int, ...]]
-) -> dict[str, torch.Tensor]:
-    """A view into ``engine_params`` for every HF name in ``hf_shapes`` (same shape as the HF tensor).
+) -> dict[str, list[tuple[str, int, int]]]:
+    """engine tensor name -> its HF parts [(hf name, first row, rows)] in row order (a fused tensor has several).
 
     Raises ValueError when an HF tensor has no place in the engine, when shapes disagree, or when an engine
     tensor is left partly uncovered (apart from padded rows beyond the HF size, which ES never touches).
@@ -50,19 +50,33 @@ def hf_views(
                 f"engine tensors look like {sorted(engine_params)[:4]}"
             )
         parts.setdefault(target, []).append((pos, hf))
-    views: dict[str, torch.Tensor] = {}
+    rows_of: dict[str, list[tuple[str, int, int]]] = {}
     for target, members in parts.items():
         t = engine_params[target]
-        row = 0
+        row, spans = 0, []
         for _, hf in sorted(members):
             shape = tuple(hf_shapes[hf])
             rows = shape[0] if shape else 1
             if tuple(t.shape[1:]) != shape[1:] or row + rows > (t.shape[0] if t.dim() else 1):
                 raise ValueError(f"{hf} {shape} does not fit in engine tensor {target} {tuple(t.shape)} at row {row}")
-            views[hf] = t.narrow(0, row, rows) if t.dim() else t
+            spans.append((hf, row, rows))
             row += rows
         if len(members) > 1 and row != t.shape[0]:
             raise ValueError(f"engine tensor {target} {tuple(t.shape)}: its HF parts cover only {row} rows")
+        rows_of[target] = spans
     if missing := sorted(set(engine_params) - set(parts)):
         raise ValueError(f"engine tensors with no HF counterpart (ES would never move them): {missing[:5]}")
+    return rows_of
+
+
+def hf_views(
+    engine_params: Mapping[str, torch.Tensor], hf_shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor]:
+    """A view into ``engine_params`` for every HF name in ``hf_shapes`` (same shape as the HF tensor); the errors
+    of ``hf_rows``."""
+    views: dict[str, torch.Tensor] = {}
+    for target, spans in hf_rows(engine_params, hf_shapes).items():
+        t = engine_params[target]
+        for hf, row, rows in spans:
+            views[hf] = t.narrow(0, row, rows) if t.dim() else t
     return views

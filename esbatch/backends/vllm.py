@@ -30,6 +30,7 @@ import multiprocessing
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -124,6 +125,8 @@ def hf_parameter_shapes(model_dir: str, revision: str | None = None) -> dict[str
 
 
 class VLLMBackend(ESBackend):
+    lowrank: dict[str, Any] | None = None  # es.perturbation: lowrank: {"rank": r, "vectors": ...} (subclass below)
+
     def __init__(
         self,
         model_dir: str,
@@ -194,44 +197,51 @@ class VLLMBackend(ESBackend):
                     gpu_memory_utilization=gpu_memory_utilization,
                     enable_prefix_caching=prefix_caching,
                     max_model_len=max_model_len,
-                    enforce_eager=not (on_gpu and cuda_graphs),
+                    # low rank: hooks read the batch's requests at every step, so no compile and no CUDA graphs
+                    enforce_eager=self.lowrank is not None or not (on_gpu and cuda_graphs),
                 )
             self.engines.append(llm)
             self._engine_pids += [p.pid for p in multiprocessing.active_children() if p.pid not in before]
         self.prefix_caching = prefix_caching
         self._pool = ThreadPoolExecutor(max_workers=engines) if engines > 1 else None
-        self._rpc_all("es_setup", self.hf_shapes, track_drift, noise, master)
+        self._rpc_all("es_setup", self.hf_shapes, track_drift, noise, master, self.lowrank)
         self.perturbed = False
 
     @classmethod
     def for_es(cls, cfg: Any) -> VLLMBackend:
         from esbatch.models import model_path
 
-        m, b = cfg.model, cfg.backend
+        if getattr(cfg.es, "perturbation", "full") == "lowrank" and cls is VLLMBackend:
+            return VLLMLowRankBackend.for_es(cfg)
+        m = cfg.model
         path, rev = model_path(m.name, m.gguf_file, m.revision)
-        backend = cls(
-            path,
-            revision=rev,
-            dtype=m.dtype,
-            engines=b.engines,
-            gpu_memory_utilization=b.gpu_memory_utilization,
-            kv_cache_gb=b.kv_cache_gb,
-            max_model_len=b.max_model_len,
-            prefix_caching=b.prefix_caching,
-            cuda_graphs=b.cuda_graphs,
-            seed=cfg.run.seed,
-            track_drift=cfg.tracking.drift,
-            noise=cfg.es.noise,
-            master=cfg.es.master,
-            rpc_timeout_s=cfg.run.hang_timeout_s,
-            worker_extension=b.worker_extension,
-            dispatch=cfg.es.dispatch,
-        )
+        backend = cls(path, revision=rev, **cls.es_options(cfg))
         if m.init_weights:
             from safetensors.torch import load_file
 
             backend.load_center(load_file(m.init_weights))
         return backend
+
+    @classmethod
+    def es_options(cls, cfg: Any) -> dict[str, Any]:
+        """The constructor's keyword arguments (beyond the model) from a validated run config."""
+        b = cfg.backend
+        return {
+            "dtype": cfg.model.dtype,
+            "engines": b.engines,
+            "gpu_memory_utilization": b.gpu_memory_utilization,
+            "kv_cache_gb": b.kv_cache_gb,
+            "max_model_len": b.max_model_len,
+            "prefix_caching": b.prefix_caching,
+            "cuda_graphs": b.cuda_graphs,
+            "seed": cfg.run.seed,
+            "track_drift": cfg.tracking.drift,
+            "noise": cfg.es.noise,
+            "master": cfg.es.master,
+            "rpc_timeout_s": cfg.run.hang_timeout_s,
+            "worker_extension": b.worker_extension,
+            "dispatch": cfg.es.dispatch,
+        }
 
     # ---------------------------------------------------------------- rpc plumbing
     def _rpc(self, e: int, method: str, *args: Any) -> dict[str, Any]:
@@ -263,9 +273,9 @@ class VLLMBackend(ESBackend):
     def num_parameters(self) -> int:
         return sum(int(torch.Size(s).numel()) for s in self.hf_shapes.values())
 
-    def generate(
-        self, prompts: Sequence[str], sampling: SamplingParams, seed: int, engine: int = 0
-    ) -> list[Generation]:
+    def _sampling(self, sampling: SamplingParams, seed: int, n_prompts: int, extra: dict | None = None) -> list[Any]:
+        """vLLM's SamplingParams of each prompt: seeded per prompt (reproducible; vLLM gives the n samples of a
+        prompt seeds seed + index), with ``extra`` in extra_args (the low-rank member of the requests)."""
         from vllm import SamplingParams as VSampling
 
         if sampling.entropy:
@@ -273,8 +283,7 @@ class VLLMBackend(ESBackend):
         greedy = sampling.temperature == 0
         if greedy and sampling.n > 1:
             raise ValueError("greedy decoding gives one response per prompt; use n=1 or temperature > 0")
-        ids = self.tok(list(prompts), add_special_tokens=False)["input_ids"]  # the same tokens as the HF backend
-        params = [
+        return [
             VSampling(
                 n=sampling.n,
                 temperature=sampling.temperature,
@@ -282,16 +291,27 @@ class VLLMBackend(ESBackend):
                 max_tokens=sampling.max_new_tokens,
                 seed=None if greedy else (seed * 1_000_003 + j) % 2**31,  # per prompt, reproducible
                 skip_special_tokens=True,
+                extra_args=extra,
             )
-            for j in range(len(ids))
+            for j in range(n_prompts)
         ]
-        with watchdog.waiting_on(f"vLLM engine {engine}: generate ({len(ids)} prompts)"):
-            outs = self.engines[engine].generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+
+    @staticmethod
+    def _generations(outs: Sequence[Any]) -> list[Generation]:
         return [
             Generation(c.text, len(c.token_ids), None, list(c.token_ids))
             for o in outs
             for c in sorted(o.outputs, key=lambda c: c.index)
         ]
+
+    def generate(
+        self, prompts: Sequence[str], sampling: SamplingParams, seed: int, engine: int = 0
+    ) -> list[Generation]:
+        params = self._sampling(sampling, seed, len(prompts))
+        ids = self.tok(list(prompts), add_special_tokens=False)["input_ids"]  # the same tokens as the HF backend
+        with watchdog.waiting_on(f"vLLM engine {engine}: generate ({len(ids)} prompts)"):
+            outs = self.engines[engine].generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+        return self._generations(outs)
 
     def evaluate_population(
         self,
@@ -402,3 +422,92 @@ class VLLMBackend(ESBackend):
         watchdog.forget(self._kill_engines)
         if self._pool is not None:
             self._pool.shutdown()
+
+
+class VLLMLowRankBackend(VLLMBackend):
+    """VLLMBackend for ``es.perturbation: lowrank``: each engine generates its share of the population in one
+    batch, every request carrying its member (esbatch/backends/vllm_lowrank.py, docs/lowrank.md); no weight is
+    written for a member. The update, checkpoints and replay are LowRankWeights' (esbatch/perturb/lowrank.py), as
+    in the HF backend, so both backends hold the same center for the same updates."""
+
+    def __init__(self, model_dir: str, *, rank: int = 1, vectors: str = "full", **kwargs: Any) -> None:
+        if kwargs.get("master", "device") != "device":
+            raise ValueError(f"es.perturbation: lowrank needs es.master: device (got {kwargs['master']})")
+        self.lowrank = {"rank": rank, "vectors": vectors}
+        super().__init__(model_dir, **kwargs)
+
+    @classmethod
+    def es_options(cls, cfg: Any) -> dict[str, Any]:
+        return {**super().es_options(cfg), "rank": cfg.es.rank, "vectors": cfg.es.lowrank_vectors}
+
+    def members_per_call(self, n_prompts: int, n: int, n_members: int) -> int:
+        """Whole members per engine batch: as many as the scheduler runs at once (max_num_seqs sequences), and at
+        most an even share of the population per engine, so every engine works."""
+        try:
+            seqs = int(self.engines[0].llm_engine.vllm_config.scheduler_config.max_num_seqs)
+        except AttributeError:
+            seqs = 256
+        share = -(-n_members // len(self.engines))
+        return max(1, min(share, seqs // max(1, n_prompts * n)))
+
+    def evaluate_population(
+        self,
+        members: Sequence[tuple[int, float, int]],
+        prompts: Sequence[str],
+        sampling: SamplingParams,
+        claim: dispatching.Claim | None = None,
+    ) -> PopulationOutput:
+        """Members in batches of whole members, spread over the engines by ``self.dispatch`` (or taken from
+        ``claim``); each batch is one es_lowrank_begin, one generate of all its members' requests, one
+        es_lowrank_end. Member k's requests have the sampling seeds ``generate`` gives its generation seed."""
+        per = self.members_per_call(len(prompts), sampling.n, len(members))
+        chunks: list[list[int]] = []
+        items: Sequence[int] | dispatching.Claim
+        if claim is None:
+            chunks = [list(range(i, min(i + per, len(members)))) for i in range(0, len(members), per)]
+            items = range(len(chunks))
+        else:
+            lock = threading.Lock()
+
+            def items() -> int | None:  # a claim of whole batches, taken member by member from the shared one
+                with lock:
+                    got: list[int] = []
+                    while len(got) < per and (i := claim()) is not None:
+                        got.append(i)
+                    if not got:
+                        return None
+                    chunks.append(got)
+                    return len(chunks) - 1
+
+        ids = self.tok(list(prompts), add_special_tokens=False)["input_ids"]
+
+        def work(e: int, j: int) -> tuple[list[list[Generation]], float]:
+            idx = chunks[j]
+            t0 = time.perf_counter()
+            self._rpc(e, "es_lowrank_begin", [[members[i][0], members[i][1]] for i in idx])
+            t1 = time.perf_counter()
+            requests, params = [], []
+            for k, i in enumerate(idx):
+                seed, scale, gen_seed = members[i]
+                salt = f"es:{seed}:{scale!r}"  # attention states are the member's own (module docstring)
+                requests += [{"prompt_token_ids": p, "cache_salt": salt} for p in ids]
+                params += self._sampling(sampling, gen_seed, len(ids), {"es_member": k})
+            with watchdog.waiting_on(f"vLLM engine {e}: generate ({len(idx)} low-rank members x {len(ids)} prompts)"):
+                outs = self.engines[e].generate(requests, params, use_tqdm=False)
+            t2 = time.perf_counter()
+            self._rpc(e, "es_lowrank_end")
+            gens = self._generations(outs)
+            rows = len(gens) // len(idx)
+            return [gens[k * rows : (k + 1) * rows] for k in range(len(idx))], (t1 - t0) + (time.perf_counter() - t2)
+
+        done = dispatching.dispatch(items, len(self.engines), work, self.dispatch, self._pool)
+        got = {i: g for j in done.order for i, g in zip(chunks[j], done.results[j][0])}
+        move = sum(done.results[j][1] for j in done.order) / len(self.engines)
+        order = sorted(got)
+        return PopulationOutput(
+            [got[i] for i in order],
+            generation_s=done.wall_s - move,
+            perturb_restore_s=move,
+            idle_s=done.idle_s,
+            members=order,
+        )

@@ -55,20 +55,48 @@ class ESWorkerExtension:
 
     @_safe
     def es_setup(
-        self, hf_shapes: dict[str, list[int]], track_drift: bool, noise: str, master: str = "device"
+        self,
+        hf_shapes: dict[str, list[int]],
+        track_drift: bool,
+        noise: str,
+        master: str = "device",
+        lowrank: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        from esbatch.backends.layout import hf_views
+        """``lowrank``: {"rank": r, "vectors": ...} for es.perturbation: lowrank (esbatch/backends/vllm_lowrank.py)."""
+        from esbatch.backends.layout import hf_rows, hf_views
         from esbatch.perturb import weights_for
 
         params = dict(self.model_runner.model.named_parameters())
         empty = [n for n, p in params.items() if p.numel() == 0]
         if empty:
             raise RuntimeError(f"weights moved out of reach by vLLM (empty parameters): {empty[:3]}")
-        views = hf_views(params, {n: tuple(s) for n, s in hf_shapes.items()})
-        # es.noise: eps drawn on the engine's device; es.master: the fp32 center there, in host memory or on disk
-        self.es = weights_for(views, "exact", track_drift, noise, master)
+        shapes = {n: tuple(s) for n, s in hf_shapes.items()}
+        views = hf_views(params, shapes)
+        self.lowrank = None
+        if lowrank is None:
+            # es.noise: eps drawn on the engine's device; es.master: the fp32 center there, in host memory or on disk
+            self.es = weights_for(views, "exact", track_drift, noise, master)
+        else:
+            from esbatch.backends.vllm_lowrank import EngineLowRank
+            from esbatch.perturb.lowrank import LowRankWeights
+
+            self.es = LowRankWeights(views, track_drift, noise, lowrank["rank"], lowrank["vectors"])
+            self.lowrank = EngineLowRank(self.model_runner, self.es, hf_rows(params, shapes))
         some = next(iter(self.es.live.values()))
         return {"dtype": str(some.dtype), "device": str(some.device)}
+
+    @_safe
+    def es_lowrank_begin(self, members: list[list[float]]) -> dict[str, Any]:
+        """Requests with extra_args {"es_member": k} run as member k = (direction seed, scale) until es_lowrank_end."""
+        if self.es.perturbed:
+            raise RuntimeError("es_lowrank_begin on perturbed weights: restore first")
+        self.lowrank.begin([(int(seed), float(scale)) for seed, scale in members])
+        return {}
+
+    @_safe
+    def es_lowrank_end(self) -> dict[str, Any]:
+        self.lowrank.end()
+        return {}
 
     @_safe
     def es_perturb(self, seed: int, scale: float) -> dict[str, Any]:

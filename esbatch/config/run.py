@@ -225,7 +225,8 @@ class ESConfig:
         "by es.noise for the derived names <tensor>#A and <tensor>#B, other tensors by es.lowrank_vectors; the "
         "whole population is then generated in batched calls (the shared x W computed once, each row adding its "
         "member's s (x B) A^T / sqrt(r)) and the update alpha/N sum_i w_i A_i B_i^T / sqrt(r) is accumulated in "
-        "fp32. lowrank needs backend.name: hf and es.restore: exact.",
+        "fp32. lowrank needs es.restore: exact and es.master: device; in backend.name: vllm each engine runs its "
+        "members' requests in one batch, each token adding its own member's perturbation (eager mode).",
         choices=PERTURBATIONS,
     )
     rank: int = setting(1, "es.perturbation: lowrank: the rank r of each member's perturbation of a matrix.", ge=1)
@@ -590,16 +591,10 @@ def restore_errors(cfg: TrainConfig, errors: list[str]) -> None:
 
 
 def lowrank_errors(cfg: TrainConfig, errors: list[str]) -> None:
-    """es.perturbation: lowrank only where the batched low-rank forward exists (the HF backend, exact restore)."""
+    """es.perturbation: lowrank only where the batched low-rank forward exists (exact restore, center on device)."""
     trains_es = cfg.algorithm == "es" or (cfg.algorithm == "pipeline" and "es" in cfg.pipeline.stages)
     if not trains_es or cfg.es.perturbation != "lowrank":
         return
-    if cfg.backend.name != "hf":
-        errors.append(
-            f"es.perturbation: lowrank runs on backend.name: hf only (got {cfg.backend.name}): the batched low-rank "
-            f"forward is built into the HF backend, not into {cfg.backend.name} engines. Use backend.name: hf, or "
-            "es.perturbation: full"
-        )
     if cfg.es.master != "device":
         errors.append(
             f"es.perturbation: lowrank needs es.master: device (got {cfg.es.master}): its batched forward reads the "

@@ -257,7 +257,7 @@ def test_config_choices_match_the_perturb_package():
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
-        ({"backend": {"name": "vllm"}}, "es.perturbation: lowrank runs on backend.name: hf only (got vllm)"),
+        ({"es": {"master": "host"}}, "es.perturbation: lowrank needs es.master: device (got host)"),
         ({"es": {"restore": "inplace"}}, "es.perturbation: lowrank needs es.restore: exact (got inplace)"),
         ({"es": {"rank": 0}}, "es.rank"),
         ({"es": {"perturbation": "sparse"}}, "es.perturbation"),
@@ -277,6 +277,14 @@ def test_config_refuses_lowrank_where_it_cannot_run(tiny_model_dir, extra, words
         {"model": {"name": str(tiny_model_dir)}, "es": {"perturbation": "lowrank", "rank": 4, "updates": 1}}
     )
     assert (ok.es.perturbation, ok.es.rank, ok.es.lowrank_vectors) == ("lowrank", 4, "full")
+    on_vllm = config_from_dict(  # vLLM runs low rank too (tests/vllm_cpu/test_vllm_lowrank.py)
+        {
+            "model": {"name": str(tiny_model_dir)},
+            "backend": {"name": "vllm"},
+            "es": {"perturbation": "lowrank", "updates": 1},
+        }
+    )
+    assert (on_vllm.backend.name, on_vllm.es.perturbation) == ("vllm", "lowrank")
 
 
 def test_unsupported_modules_are_named(tok):

@@ -21,7 +21,7 @@ def vllm_tiny(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden=128, heads=2)  # head_dim 64
 
 
-def train(tmp: Path, model: Path, name: str, engines: int, dispatch: str = "static") -> Path:
+def train(tmp: Path, model: Path, name: str, engines: int, dispatch: str = "static", **es: object) -> Path:
     cfg = {
         "run": {"name": name, "seed": 3, "output_dir": str(tmp / "runs")},
         "model": {"name": str(model), "dtype": "float32"},
@@ -31,6 +31,7 @@ def train(tmp: Path, model: Path, name: str, engines: int, dispatch: str = "stat
         "es": {
             **{"population_size": 4, "sigma": 0.05, "alpha": 0.02, "batch_size": 4, "updates": 3},
             "dispatch": dispatch,
+            **es,
         },
         "eval": {"every": 0},
         "tracking": {"experiment": "vllm"},
@@ -56,6 +57,30 @@ def test_two_engines_static_or_taking_members_from_a_queue_train_to_the_one_engi
         assert all(torch.equal(a[k], b[k]) for k in a), dispatch
         log = [yaml.safe_load(x) for x in (two / "log.jsonl").read_text().splitlines()]
         assert [r["rewards"] for r in log] == [r["rewards"] for r in ref], dispatch
+
+
+def test_lowrank_training_on_two_engines_equals_one_and_replays_in_the_hf_backend(tmp_path, vllm_tiny):
+    """es.perturbation: lowrank through `esbatch train` on vLLM: one engine, or two each running half the population
+    in one batch, give the same rewards and center; replaying the log in the HF backend (a resume after a kill)
+    rebuilds that center bit for bit."""
+    from esbatch.backends.hf import HFLowRankBackend
+    from esbatch.es.trainer import replay
+    from esbatch.models import load_model_and_tokenizer
+
+    lowrank = {"perturbation": "lowrank", "rank": 2}
+    one = train(tmp_path, vllm_tiny, "lr1", 1, **lowrank)
+    two = train(tmp_path, vllm_tiny, "lr2", 2, **lowrank)
+    a, b = load_file(one / "center.safetensors"), load_file(two / "center.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    log = [yaml.safe_load(x) for x in (one / "log.jsonl").read_text().splitlines()]
+    assert [r["rewards"] for r in log] == [
+        r["rewards"] for r in (yaml.safe_load(x) for x in (two / "log.jsonl").read_text().splitlines())
+    ]
+    assert any(w != 0 for r in log for w in r["update_weights"])  # the rewards varied: real updates
+    model, tok = load_model_and_tokenizer(str(vllm_tiny), dtype="float32")
+    hf = HFLowRankBackend(model, tok, rank=2)
+    replay(hf, log)
+    assert all(torch.equal(hf.master[k], a[k]) for k in a)
 
 
 def test_engines_that_drift_apart_stop_the_run(tmp_path, vllm_tiny):
