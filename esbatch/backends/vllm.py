@@ -199,6 +199,9 @@ class VLLMBackend(ESBackend):
                     max_model_len=max_model_len,
                     # low rank: hooks read the batch's requests at every step, so no compile and no CUDA graphs
                     enforce_eager=self.lowrank is not None or not (on_gpu and cuda_graphs),
+                    # on CPU whole prompts only: vLLM rewinds the sampling generator of a request whose prefill was
+                    # split over steps, which CPU generators cannot do (seeded sampling then kills the engine)
+                    **({} if on_gpu else self._whole_prompts(model_dir, revision, max_model_len)),
                 )
             self.engines.append(llm)
             self._engine_pids += [p.pid for p in multiprocessing.active_children() if p.pid not in before]
@@ -206,6 +209,17 @@ class VLLMBackend(ESBackend):
         self._pool = ThreadPoolExecutor(max_workers=engines) if engines > 1 else None
         self._rpc_all("es_setup", self.hf_shapes, track_drift, noise, master, self.lowrank)
         self.perturbed = False
+
+    @staticmethod
+    def _whole_prompts(model_dir: str, revision: str | None, max_model_len: int | None) -> dict[str, Any]:
+        """vLLM options that schedule every prompt whole (no chunked prefill), with a step budget that fits the
+        longest sequence (vLLM's CPU default is 4096 tokens)."""
+        from transformers import AutoConfig
+
+        longest = max_model_len or getattr(
+            AutoConfig.from_pretrained(model_dir, revision=revision), "max_position_embeddings", 0
+        )
+        return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, int(longest or 0))}
 
     @classmethod
     def for_es(cls, cfg: Any) -> VLLMBackend:

@@ -111,3 +111,20 @@ def test_one_engine_per_gpu_with_cuda_graphs(tmp_path, vllm_tiny):
     assert len(out.generations) == 2 * n
     vb.update(UpdateSpec([1, 2], [0.5, -0.5], alpha=0.01, n=2))  # checksums agree across GPUs
     vb.close()
+
+
+def test_seeded_sampling_of_more_prompt_tokens_than_one_step_holds(vllm_tiny):
+    """40 prompts of ~180 tokens (7000 > vLLM's 4096-token CPU step): with chunked prefill a prompt split over two
+    steps makes vLLM rewind its sampling generator, which CPU generators cannot do, and the engine died; the CPU
+    engines schedule whole prompts instead. Reproducible per seed, as the training rollouts need."""
+    from esbatch.backends.base import SamplingParams
+    from esbatch.backends.vllm import VLLMBackend
+
+    vb = VLLMBackend(str(vllm_tiny), kv_cache_gb=1, max_model_len=256)
+    try:
+        prompts = [f"{i}+{i}=" * 30 for i in range(40)]
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=3)
+        a, b = vb.generate(prompts, sampling, 5), vb.generate(prompts, sampling, 5)
+        assert len(a) == 40 and [g.token_ids for g in a] == [g.token_ids for g in b]
+    finally:
+        vb.close()
