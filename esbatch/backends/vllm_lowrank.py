@@ -6,7 +6,10 @@ all scheduled tokens of all requests as one (T, hidden) tensor, in the order of 
 batch (which it reorders between steps), so the hooks cannot assume member-major rows: before each forward pass
 a pre-hook on the model reads which request every token belongs to (``runner.req_indices``, filled for this step
 by ``_prepare_inputs``) and which member every request belongs to (``SamplingParams.extra_args["es_member"]``,
-set by the driver, esbatch/backends/vllm.py), and the hooks gather each token's factors by its member:
+set by the driver, esbatch/backends/vllm.py), and groups the rows by member (``_Groups``: while no request has
+finished the batch is member-major already and the rows are only viewed; otherwise they are gathered into
+(members, rows per member) slots and the products added back with index_add_), so each term is one batched
+matmul per module, as in the HF backend:
 
     linear (fused too)  y[:, rows of part p] += (x B_p[m_t]) (s A_p / sqrt(r))[m_t]^T   [+ s eps(bias_p)[m_t]]
     embedding           y += (s A / sqrt(r))[m_t][token_t] B[m_t]^T
@@ -164,43 +167,40 @@ class EngineLowRank:
             if not 0 <= k <= u:
                 raise RuntimeError(f"request {rid}: es_member {k} outside this population of {u} members")
             req_member.append(k)
-        device = ids.device
-        rows = torch.tensor(req_member, dtype=torch.long, device=device)
+        rows = torch.tensor(req_member, dtype=torch.long)
         scheduled = int(runner.query_start_loc.np[num_reqs])
-        tokens = torch.full((n_tokens,), u, dtype=torch.long, device=device)
-        tokens[:scheduled] = rows[runner.req_indices.gpu[:scheduled].to(device)]
-        self.token_member, self.row_member = tokens, rows
+        tokens = torch.full((n_tokens,), u, dtype=torch.long)
+        tokens[:scheduled] = rows[runner.req_indices.cpu[:scheduled].long()]
+        device = ids.device
+        self.token_member, self.row_member = tokens.to(device), rows.to(device)
+        self.token_groups, self.row_groups = _Groups.of(tokens, device), _Groups.of(rows, device)
 
     # ---------------------------------------------------------------- the perturbation of each site
     def _hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         site, mem = self.sites[module], self.members
         out = output[0] if isinstance(output, tuple) else output
         if site.kind == "logits":
-            h, m = args[1], self.row_member
-            if h.shape[0] != m.shape[0]:
-                raise RuntimeError(f"low-rank logits: {h.shape[0]} rows for {m.shape[0]} requests")
-            (hf, _, _), y = site.weight[0], out
-            self._outer(y, torch.bmm(h.unsqueeze(1), mem.b[hf].index_select(0, m)), mem.at[hf], m)
+            h, groups = args[1], self.row_groups
+            if h.shape[0] != self.row_member.shape[0]:
+                raise RuntimeError(f"low-rank logits: {h.shape[0]} rows for {self.row_member.shape[0]} requests")
+            hf = site.weight[0][0]
+            groups.add(out, groups.matmul(groups.rows(h), mem.b[hf]), mem.at[hf])
             return
-        m = self.token_member
+        m, groups = self.token_member, self.token_groups
         if site.kind == "linear":
             x = args[0].reshape(-1, args[0].shape[-1])
             y = out.reshape(-1, out.shape[-1])
             if site.weight:
                 b = mem.b_cat.get(id(module))
-                if b is None:
-                    b = mem.b[site.weight[0][0]]
-                xb = torch.bmm(x.unsqueeze(1), b.index_select(0, m))  # (T, 1, parts * r)
+                xb = groups.matmul(groups.rows(x), mem.b[site.weight[0][0]] if b is None else b)  # (G, L, parts*r)
                 for k, (hf, row, rows) in enumerate(site.weight):
-                    part = xb[:, :, k * self.rank : (k + 1) * self.rank]
-                    self._outer(y[:, row : row + rows], part, mem.at[hf], m)
+                    groups.add(y[:, row : row + rows], xb[:, :, k * self.rank : (k + 1) * self.rank], mem.at[hf])
             for hf, row, rows in site.bias:
                 y[:, row : row + rows].add_(mem.vec[hf].index_select(0, m))
         elif site.kind == "embedding":
-            ids = args[0].reshape(-1)
             hf = site.weight[0][0]
-            pick = mem.a[hf][m, ids.long()].unsqueeze(1)  # (T, 1, r): row token_t of s A / sqrt(r)
-            self._outer(out.reshape(-1, out.shape[-1]), pick, mem.bt[hf], m)
+            pick = mem.a[hf][m, args[0].reshape(-1).long()]  # (T, r): row token_t of s A / sqrt(r), its member's
+            groups.add(out.reshape(-1, out.shape[-1]), groups.rows(pick), mem.bt[hf])
         else:  # rmsnorm: n(h) of the input, or of the residual sum a fused add-norm returns
             h = output[1] if isinstance(output, tuple) else args[0]
             hf = site.weight[0][0]
@@ -209,10 +209,72 @@ class EngineLowRank:
             vec = mem.vec[hf].index_select(0, m)
             out.addcmul_(vec.view(vec.shape[0], *([1] * (out.dim() - 2)), vec.shape[-1]), n)
 
-    def _outer(self, y: torch.Tensor, left: torch.Tensor, right_t: torch.Tensor, m: torch.Tensor) -> None:
-        """y (T, k) += left (T, 1, r) @ right_t[m] (T, r, k) in place, right_t: (U+1, r, k)."""
-        pick = right_t.index_select(0, m)
-        if left.shape[-1] == 1:
-            y.addcmul_(left[:, 0], pick[:, 0])
-        else:
-            y.add_(torch.bmm(left, pick)[:, 0])
+
+@dataclass
+class _Groups:
+    """The rows of one step grouped by member, so each group multiplies by its member's factors in one batched
+    matmul (as the HF backend's member-major rows do), whatever order vLLM's batch holds the rows in.
+
+    G members present, L = the most rows any of them has; slot (g, l) holds row ``slots[g * L + l]`` (padding
+    slots hold row 0 with ``mask`` 0). ``direct``: the rows already are member-major with L rows each (vLLM's
+    batch while no request has finished), so rows are viewed, not gathered, and the product is added in place.
+    """
+
+    members: torch.Tensor  # (G,) the members present, ascending
+    length: int  # L
+    slots: torch.Tensor  # (G * L,) row index of each slot
+    mask: torch.Tensor | None  # (G, L, 1): 1 for real slots, 0 for padding (None: no padding)
+    direct: bool
+    prefix: bool  # members are 0 .. G-1: factor stacks are sliced, not gathered
+
+    @staticmethod
+    def of(member: torch.Tensor, device: Any) -> _Groups:
+        """``member``: (T,) each row's member, on the CPU."""
+        order = torch.argsort(member, stable=True)
+        present, counts = torch.unique_consecutive(member[order], return_counts=True)
+        length = int(counts.max()) if len(counts) else 0
+        g = len(present)
+        direct = bool((counts == length).all()) and bool((order == torch.arange(len(member))).all())
+        pos = torch.arange(length).expand(g, length)
+        real = pos < counts[:, None]
+        slots = torch.zeros(g, length, dtype=torch.long)
+        slots[real] = order
+        prefix = bool((present == torch.arange(g)).all())
+        return _Groups(
+            present.to(device),
+            length,
+            slots.reshape(-1).to(device),
+            None if bool(real.all()) else real[..., None].to(device),
+            direct,
+            prefix,
+        )
+
+    def stack(self, factors: torch.Tensor) -> torch.Tensor:
+        """The present members' entries of a (U+1, ...) factor stack."""
+        g = self.members.shape[0]
+        return factors[:g] if self.prefix else factors.index_select(0, self.members)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, k) rows -> (G, L, k), grouped by member."""
+        if self.direct:
+            return x.reshape(self.members.shape[0], self.length, x.shape[-1])
+        return x.index_select(0, self.slots).view(self.members.shape[0], self.length, x.shape[-1])
+
+    def matmul(self, grouped: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+        """(G, L, n) @ factors[member] (n, k) -> (G, L, k)."""
+        return torch.bmm(grouped, self.stack(factors))
+
+    def add(self, y: torch.Tensor, left: torch.Tensor, right_t: torch.Tensor) -> None:
+        """y (T, k) += left (G, L, r) @ right_t[member] (r, k), in place, each row from its own slot."""
+        right = self.stack(right_t)
+        if self.direct:  # a view of y's rows (strided for one part of a fused output), added in place
+            view = y.unflatten(0, (self.members.shape[0], self.length))
+            if left.shape[-1] == 1:
+                view.addcmul_(left, right)
+            else:
+                view.baddbmm_(left, right)
+            return
+        if self.mask is not None:  # padding slots (copies of row 0) add nothing
+            left = left * self.mask.to(left.dtype)
+        prod = left * right if left.shape[-1] == 1 else torch.bmm(left, right)  # (G, L, k)
+        y.index_add_(0, self.slots, prod.view(-1, prod.shape[-1]))

@@ -106,3 +106,26 @@ def test_an_error_in_the_worker_is_raised_here_and_leaves_the_engine_alive(both)
         vb._rpc(0, "es_perturb", SEED, SIGMA)
     vb.restore()
     assert len(texts(vb, prompts)) == len(prompts)
+
+
+def test_lowrank_members_greedy_outputs_match_the_hf_backend_on_smollm2(both):
+    """es.perturbation: lowrank on the real model: each member's greedy answers from one vLLM batch of the whole
+    population equal the HF low-rank backend's (tests/vllm_cpu/test_vllm_lowrank.py has the tiny-model checks)."""
+    from esbatch.backends.hf import HFLowRankBackend
+    from esbatch.backends.vllm import VLLMLowRankBackend
+
+    _, hb, prompts = both
+    members = [(SEED, SIGMA, 1), (SEED, -SIGMA, 1), (77, SIGMA, 2)]
+    from esbatch.models import model_path
+
+    path = model_path("smollm2-135m-instruct")[0]
+    low_v = VLLMLowRankBackend(path, dtype="float32", kv_cache_gb=1, max_model_len=512)
+    try:
+        low_v.load_center(hb.master)  # the fixture's center (an earlier test may have updated it)
+        got = [[g.token_ids for g in m] for m in low_v.evaluate_population(members, prompts, GREEDY).generations]
+    finally:
+        low_v.close()
+    low_h = HFLowRankBackend(hb.model, hb.tok, batch_size=16)  # on the same model: its batched forward writes nothing
+    want = [[g.token_ids for g in m] for m in low_h.evaluate_population(members, prompts, GREEDY).generations]
+    assert got == want
+    assert got[0] != got[1]  # the antithetic pair answers differently: the perturbation is live
