@@ -17,12 +17,13 @@ matmul per module, as in the HF backend:
     logits              logits_j += (h_j B[m_j]) (s A / sqrt(r))[m_j]^T      one row per request (m_j: its member)
 
 A fused qkv_proj / gate_up_proj holds several HF matrices (esbatch/backends/layout.py): each part has its own
-factors, applied to its own rows of the output, as on the HF model. A tied embedding / lm_head is one parameter
-with one (A, B), used by the lookup and by the logits. Tokens of requests without a member (evaluating the
+factors, applied to its own slice of the output features, as on the HF model. A tied embedding / lm_head is one
+parameter with one (A, B), used by the lookup and by the logits. Tokens of requests without a member (evaluating the
 center on the same engine) and padding tokens get member U, whose factors are zero.
 
 Prefix caching: requests of different members with the same prompt must not share attention states, so the
-driver salts each member's requests (``cache_salt``) and resets the cache around a population.
+driver salts each member's requests with its (seed, scale) (``cache_salt``); the cache is reset whenever the center
+changes (update, load), as for full-rank ES.
 Needs eager execution (no torch.compile, no CUDA graphs: the hooks read Python state at every step); the driver
 starts low-rank engines with enforce_eager.
 """
@@ -147,7 +148,7 @@ class EngineLowRank:
                 eps = [direction(seed, name, p.shape, noise, where).to(p.device) * s for seed, s in members]
                 out.vec[name] = torch.stack([*eps, torch.zeros(p.shape, device=p.device)]).to(p.dtype)
         for mod, site in self.sites.items():
-            if site.kind == "linear" and len(site.weight) > 1:  # one gather + bmm for all parts of a fused matrix
+            if site.kind == "linear" and len(site.weight) > 1:  # one bmm for all parts of a fused matrix
                 out.b_cat[id(mod)] = torch.cat([out.b[hf] for hf, _, _ in site.weight], dim=2)
         return out
 
