@@ -119,6 +119,22 @@ def vllm_rows(args: argparse.Namespace, path: str, prompts: list[str], members: 
     return rows
 
 
+def chat_prompts(tok, batch: int) -> list[str]:
+    """B arithmetic questions in the model's chat template: the prompts every side generates from."""
+    questions = [f"What is {i} + {2 * i + 1}? Answer with a number." for i in range(batch)]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
+
+
+def population(n: int) -> list[tuple[int, float, int]]:
+    """N members (direction seed, scale 1e-3 * sign, generation seed) of update 0, as es_step draws them."""
+    from esbatch.es.core import draw_population
+
+    return [(m.seed, 1e-3 * m.sign, m.gen_seed) for m in draw_population(0, 0, n, "one_point", "independent")]
+
+
 def timed(fn, *args) -> tuple[float, object]:
     t0 = time.perf_counter()
     out = fn(*args)
@@ -147,24 +163,17 @@ def main() -> None:
 
     from esbatch.backends import SamplingParams
     from esbatch.backends.hf import HFBackend, HFGenerator, HFLowRankBackend
-    from esbatch.es.core import draw_population
 
     torch.set_num_threads(args.threads)
     fixed_length(args.tokens)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.tokens)
     with tempfile.TemporaryDirectory() as tmp:
         model, tok = load(args, tmp)
-        questions = [f"What is {i} + {2 * i + 1}? Answer with a number." for i in range(args.batch)]
-        prompts = [
-            tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-            for q in questions
-        ]
+        prompts = chat_prompts(tok, args.batch)
         rows = []
         for n in [int(x) for x in args.n.split(",")]:
             gen_batch = args.gen_batch or n * args.batch
-            members = [
-                (m.seed, 1e-3 * m.sign, m.gen_seed) for m in draw_population(0, 0, n, "one_point", "independent")
-            ]
+            members = population(n)
             expected = n * args.batch * args.tokens
 
             full = HFBackend(model, tok, batch_size=args.batch, track_drift=False)
@@ -220,7 +229,6 @@ def main_vllm(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     from esbatch.backends import SamplingParams
-    from esbatch.es.core import draw_population
     from esbatch.models import model_path
 
     vllm_fixed_length()
@@ -234,16 +242,10 @@ def main_vllm(args: argparse.Namespace) -> None:
 
             path = str(make_tiny_model(Path(tmp) / "tiny", hidden=args.hidden, heads=2))
         tok = AutoTokenizer.from_pretrained(path)
-        questions = [f"What is {i} + {2 * i + 1}? Answer with a number." for i in range(args.batch)]
-        prompts = [
-            tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-            for q in questions
-        ]
+        prompts = chat_prompts(tok, args.batch)
         rows = []
         for n in [int(x) for x in args.n.split(",")]:
-            members = [
-                (m.seed, 1e-3 * m.sign, m.gen_seed) for m in draw_population(0, 0, n, "one_point", "independent")
-            ]
+            members = population(n)
             got = vllm_rows(args, path, prompts, members, n, sampling)
             for row in got:
                 if row["tokens"] != n * args.batch * args.tokens:
