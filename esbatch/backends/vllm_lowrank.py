@@ -56,12 +56,11 @@ class _Members:
     """One population on this engine: U members' scaled factors (+ a zero member U), stacked per HF tensor."""
 
     count: int
-    a: dict[str, torch.Tensor] = field(default_factory=dict)  # (U+1, m, r): s A / sqrt(r)
-    at: dict[str, torch.Tensor] = field(default_factory=dict)  # (U+1, r, m)
-    b: dict[str, torch.Tensor] = field(default_factory=dict)  # (U+1, n, r)
-    bt: dict[str, torch.Tensor] = field(default_factory=dict)  # (U+1, r, n)
+    a: dict[str, torch.Tensor] = field(default_factory=dict)  # (U+1, m, r): s A / sqrt(r), for embedding lookups
+    at: dict[str, torch.Tensor] = field(default_factory=dict)  # (U+1, r, m): the same, transposed
+    bt: dict[str, torch.Tensor] = field(default_factory=dict)  # (U+1, r, n): B transposed
     vec: dict[str, torch.Tensor] = field(default_factory=dict)  # (U+1, d): s eps
-    b_cat: dict[int, torch.Tensor] = field(default_factory=dict)  # id(module) -> (U+1, n, parts * r)
+    bt_cat: dict[int, torch.Tensor] = field(default_factory=dict)  # id(module) -> (U+1, parts * r, n)
 
 
 class EngineLowRank:
@@ -75,6 +74,7 @@ class EngineLowRank:
 
         self.runner, self.weights, self.rank = runner, weights, weights.rank
         model = runner.model
+        self.dtype = next(model.parameters()).dtype
         engine_name = {id(p): n for n, p in model.named_parameters()}
         moving = set(weights.perturbed_names())
 
@@ -140,16 +140,16 @@ class EngineLowRank:
                 zero_b = torch.zeros(p.shape[1], self.rank, device=p.device)
                 a = torch.stack([f[0].mul_(s * c).to(p.device) for f, (_, s) in zip(fs, members)] + [zero_a])
                 b = torch.stack([f[1].to(p.device) for f in fs] + [zero_b])
-                out.a[name], out.b[name] = a.to(p.dtype), b.to(p.dtype)
+                out.a[name] = a.to(p.dtype)
                 out.at[name] = out.a[name].transpose(1, 2).contiguous()
-                out.bt[name] = out.b[name].transpose(1, 2).contiguous()
+                out.bt[name] = b.to(p.dtype).transpose(1, 2).contiguous()
             else:
                 where, noise = eps_device(self.weights.noise, p.device), self.weights.noise
                 eps = [direction(seed, name, p.shape, noise, where).to(p.device) * s for seed, s in members]
                 out.vec[name] = torch.stack([*eps, torch.zeros(p.shape, device=p.device)]).to(p.dtype)
         for mod, site in self.sites.items():
             if site.kind == "linear" and len(site.weight) > 1:  # one bmm for all parts of a fused matrix
-                out.b_cat[id(mod)] = torch.cat([out.b[hf] for hf, _, _ in site.weight], dim=2)
+                out.bt_cat[id(mod)] = torch.cat([out.bt[hf] for hf, _, _ in site.weight], dim=1)
         return out
 
     # ---------------------------------------------------------------- per step: which member each token is
@@ -174,108 +174,165 @@ class EngineLowRank:
         tokens[:scheduled] = rows[runner.req_indices.cpu[:scheduled].long()]
         device = ids.device
         self.token_member, self.row_member = tokens.to(device), rows.to(device)
-        self.token_groups, self.row_groups = _Groups.of(tokens, device), _Groups.of(rows, device)
+        dtype = self.dtype
+        self.token_groups, self.row_groups = _Groups.of(tokens, device, dtype), _Groups.of(rows, device, dtype)
 
     # ---------------------------------------------------------------- the perturbation of each site
     def _hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        site, mem = self.sites[module], self.members
+        site, mem, r = self.sites[module], self.members, self.rank
         out = output[0] if isinstance(output, tuple) else output
         if site.kind == "logits":
             h, groups = args[1], self.row_groups
             if h.shape[0] != self.row_member.shape[0]:
                 raise RuntimeError(f"low-rank logits: {h.shape[0]} rows for {self.row_member.shape[0]} requests")
             hf = site.weight[0][0]
-            groups.add(out, groups.matmul(groups.rows(h), mem.b[hf]), mem.at[hf])
+            groups.lowrank(out, h, mem.bt[hf], [(0, out.shape[-1], mem.at[hf], 0)], r)
             return
-        m, groups = self.token_member, self.token_groups
+        groups = self.token_groups
         if site.kind == "linear":
             x = args[0].reshape(-1, args[0].shape[-1])
             y = out.reshape(-1, out.shape[-1])
             if site.weight:
-                b = mem.b_cat.get(id(module))
-                xb = groups.matmul(groups.rows(x), mem.b[site.weight[0][0]] if b is None else b)  # (G, L, parts*r)
-                for k, (hf, row, rows) in enumerate(site.weight):
-                    groups.add(y[:, row : row + rows], xb[:, :, k * self.rank : (k + 1) * self.rank], mem.at[hf])
+                bt = mem.bt_cat.get(id(module), mem.bt[site.weight[0][0]])
+                parts = [(row, rows, mem.at[hf], k) for k, (hf, row, rows) in enumerate(site.weight)]
+                groups.lowrank(y, x, bt, parts, r)
             for hf, row, rows in site.bias:
-                y[:, row : row + rows].add_(mem.vec[hf].index_select(0, m))
+                groups.vector(y[:, row : row + rows], mem.vec[hf])
         elif site.kind == "embedding":
             hf = site.weight[0][0]
-            pick = mem.a[hf][m, args[0].reshape(-1).long()]  # (T, r): row token_t of s A / sqrt(r), its member's
-            groups.add(out.reshape(-1, out.shape[-1]), groups.rows(pick), mem.bt[hf])
+            pick = mem.a[hf][self.token_member, args[0].reshape(-1).long()]  # (T, r): row token_t of s A / sqrt(r)
+            y = out.reshape(-1, out.shape[-1])
+            groups.lowrank(y, pick, None, [(0, y.shape[-1], mem.bt[hf], 0)], r)
         else:  # rmsnorm: n(h) of the input, or of the residual sum a fused add-norm returns
             h = output[1] if isinstance(output, tuple) else args[0]
-            hf = site.weight[0][0]
-            f = h.to(torch.float32)
-            n = (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)).to(out.dtype)
-            vec = mem.vec[hf].index_select(0, m)
-            out.addcmul_(vec.view(vec.shape[0], *([1] * (out.dim() - 2)), vec.shape[-1]), n)
+            f = h.reshape(-1, h.shape[-1]).to(torch.float32)  # h rsqrt(mean h^2 + eps), as the HF backend's, one op
+            n = nn.functional.rms_norm(f, (f.shape[-1],), eps=module.variance_epsilon).to(out.dtype)
+            groups.vector(out.reshape(-1, out.shape[-1]), mem.vec[site.weight[0][0]], n)
+
+
+@dataclass
+class _Block:
+    """Rows ``start`` .. ``start + count * length``: ``count`` runs of ``length`` rows, each run one member's, so
+    they are viewed as (count, length, k) and multiplied in place; ``pick``: the runs' entries of a (U+1, ...)
+    factor stack (a slice when their members ascend by one, else an index)."""
+
+    start: int
+    count: int
+    length: int
+    pick: slice | torch.Tensor
+
+
+@dataclass
+class _Gather:
+    """Rows in no block, gathered into (members, L) slots: slot (g, l) holds row ``slots[g * L + l]`` (padding
+    slots hold a real row with ``mask`` 0, so they add nothing); ``rows`` / ``member``: each such row and its
+    member, for per-row vector terms."""
+
+    pick: torch.Tensor  # (G,) the members present
+    length: int  # L
+    slots: torch.Tensor  # (G * L,)
+    mask: torch.Tensor | None  # (G, L, 1) in the model's dtype, None without padding
+    rows: torch.Tensor
+    member: torch.Tensor
 
 
 @dataclass
 class _Groups:
-    """The rows of one step grouped by member, so each group multiplies by its member's factors in one batched
-    matmul (as the HF backend's member-major rows do), whatever order vLLM's batch holds the rows in.
+    """The rows of one step grouped by member, so each member's term is a batched matmul with its own factors (as
+    the HF backend's member-major rows), whatever order vLLM's batch holds the rows in.
 
-    G members present, L = the most rows any of them has; slot (g, l) holds row ``slots[g * L + l]`` (padding
-    slots hold row 0 with ``mask`` 0). ``direct``: the rows already are member-major with L rows each (vLLM's
-    batch while no request has finished), so rows are viewed, not gathered, and the product is added in place.
+    vLLM lays a step's tokens out request by request, in its persistent batch's order: member-major while the
+    driver's requests are in the order it sent them, shuffled where finished requests left holes that later ones
+    moved into. So the rows are cut into runs of one member; consecutive runs of the same length form a
+    ``_Block`` (viewed in place: the prefill of whole prompts, the decode steps of a batch in order) when it holds
+    at least ``MIN_BLOCK`` rows; the rest are gathered by member (``_Gather``) and added back with index_add_.
     """
 
-    members: torch.Tensor  # (G,) the members present, ascending
-    length: int  # L
-    slots: torch.Tensor  # (G * L,) row index of each slot
-    mask: torch.Tensor | None  # (G, L, 1): 1 for real slots, 0 for padding (None: no padding)
-    direct: bool
-    prefix: bool  # members are 0 .. G-1: factor stacks are sliced, not gathered
+    blocks: list[_Block]
+    gather: _Gather | None
+
+    MIN_BLOCK = 32
 
     @staticmethod
-    def of(member: torch.Tensor, device: Any) -> _Groups:
+    def of(member: torch.Tensor, device: Any, dtype: torch.dtype = torch.float32) -> _Groups:
         """``member``: (T,) each row's member, on the CPU."""
-        order = torch.argsort(member, stable=True)
-        present, counts = torch.unique_consecutive(member[order], return_counts=True)
-        length = int(counts.max()) if len(counts) else 0
-        g = len(present)
-        direct = bool((counts == length).all()) and bool((order == torch.arange(len(member))).all())
-        pos = torch.arange(length).expand(g, length)
-        real = pos < counts[:, None]
-        slots = torch.zeros(g, length, dtype=torch.long)
-        slots[real] = order
-        prefix = bool((present == torch.arange(g)).all())
-        return _Groups(
-            present.to(device),
-            length,
-            slots.reshape(-1).to(device),
-            None if bool(real.all()) else real[..., None].to(device),
-            direct,
-            prefix,
-        )
-
-    def stack(self, factors: torch.Tensor) -> torch.Tensor:
-        """The present members' entries of a (U+1, ...) factor stack."""
-        g = self.members.shape[0]
-        return factors[:g] if self.prefix else factors.index_select(0, self.members)
-
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """(T, k) rows -> (G, L, k), grouped by member."""
-        if self.direct:
-            return x.reshape(self.members.shape[0], self.length, x.shape[-1])
-        return x.index_select(0, self.slots).view(self.members.shape[0], self.length, x.shape[-1])
-
-    def matmul(self, grouped: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-        """(G, L, n) @ factors[member] (n, k) -> (G, L, k)."""
-        return torch.bmm(grouped, self.stack(factors))
-
-    def add(self, y: torch.Tensor, left: torch.Tensor, right_t: torch.Tensor) -> None:
-        """y (T, k) += left (G, L, r) @ right_t[member] (r, k), in place, each row from its own slot."""
-        right = self.stack(right_t)
-        if self.direct:  # a view of y's rows (strided for one part of a fused output), added in place
-            view = y.unflatten(0, (self.members.shape[0], self.length))
-            if left.shape[-1] == 1:
-                view.addcmul_(left, right)
+        t = member.shape[0]
+        if t == 0:
+            return _Groups([], None)
+        change = torch.ones(t, dtype=torch.bool)
+        change[1:] = member[1:] != member[:-1]
+        starts = change.nonzero().flatten()
+        lengths = torch.diff(starts, append=torch.tensor([t])).tolist()
+        owners, starts = member[starts].tolist(), starts.tolist()
+        blocks, loose, i = [], [], 0
+        while i < len(starts):  # consecutive runs of equal length
+            j = i + 1
+            while j < len(starts) and lengths[j] == lengths[i]:
+                j += 1
+            count, length = j - i, lengths[i]
+            if count * length >= _Groups.MIN_BLOCK:
+                ids = owners[i:j]
+                pick: slice | torch.Tensor = (
+                    slice(ids[0], ids[0] + count)
+                    if ids == list(range(ids[0], ids[0] + count))
+                    else torch.tensor(ids, device=device)
+                )
+                blocks.append(_Block(starts[i], count, length, pick))
             else:
-                view.baddbmm_(left, right)
-            return
-        if self.mask is not None:  # padding slots (copies of row 0) add nothing
-            left = left * self.mask.to(left.dtype)
-        prod = left * right if left.shape[-1] == 1 else torch.bmm(left, right)  # (G, L, k)
-        y.index_add_(0, self.slots, prod.view(-1, prod.shape[-1]))
+                loose.append((starts[i], starts[i] + count * length))
+            i = j
+        if not loose:
+            return _Groups(blocks, None)
+        rows = torch.cat([torch.arange(a, b) for a, b in loose])
+        owner = member[rows]
+        order = torch.argsort(owner, stable=True)
+        present, counts = torch.unique_consecutive(owner[order], return_counts=True)
+        length = int(counts.max())
+        real = torch.arange(length).expand(len(present), length) < counts[:, None]
+        slots = torch.full((len(present), length), int(rows[0]), dtype=torch.long)
+        slots[real] = rows[order]
+        mask = None if bool(real.all()) else real[..., None].to(device=device, dtype=dtype)
+        slots = slots.flatten().to(device)
+        return _Groups(blocks, _Gather(present.to(device), length, slots, mask, rows.to(device), owner.to(device)))
+
+    def lowrank(self, y: torch.Tensor, x: torch.Tensor, bt: torch.Tensor | None, parts: list, r: int) -> None:
+        """y[:, c : c + w] += (x B[m])[:, k r : (k + 1) r] At[m] for each part (c, w, At, k), each row with its
+        member m's factors, in place; Bt: (U+1, parts * r, n), At: (U+1, r, w). ``bt`` None: x holds the left
+        factors already (T, r).
+
+        x B[m] is computed as (Bt[m] x^T)^T (several times faster on CPU than x B with a few columns); a part that
+        is a column slice of a fused output takes rank-1 terms in place (addcmul_), rank-r ones through a product
+        added to it (baddbmm_ on a strided view is slow)."""
+        for blk in self.blocks:
+            rows = slice(blk.start, blk.start + blk.count * blk.length)
+            xv = x[rows].view(blk.count, blk.length, x.shape[-1])
+            left = xv if bt is None else torch.bmm(bt[blk.pick], xv.transpose(1, 2)).transpose(1, 2)
+            for c, w, at, k in parts:
+                yv = y[rows, c : c + w].unflatten(0, (blk.count, blk.length))
+                lk, right = left[..., k * r : (k + 1) * r], at[blk.pick]
+                if r == 1:
+                    yv.addcmul_(lk, right)
+                elif w == y.shape[-1]:
+                    yv.baddbmm_(lk, right)
+                else:
+                    yv.add_(torch.bmm(lk, right))
+        if (g := self.gather) is not None:
+            xg = x.index_select(0, g.slots).view(g.pick.shape[0], g.length, x.shape[-1])
+            left = xg if bt is None else torch.bmm(bt.index_select(0, g.pick), xg.transpose(1, 2)).transpose(1, 2)
+            if g.mask is not None:
+                left = left * g.mask
+            for c, w, at, k in parts:
+                lk, right = left[..., k * r : (k + 1) * r], at.index_select(0, g.pick)
+                prod = lk * right if r == 1 else torch.bmm(lk, right)
+                y[:, c : c + w].index_add_(0, g.slots, prod.reshape(-1, w))
+
+    def vector(self, y: torch.Tensor, vec: torch.Tensor, n: torch.Tensor | None = None) -> None:
+        """y += vec[m] (* n), each row with its member m's vector, in place; vec: (U+1, d)."""
+        for blk in self.blocks:
+            rows = slice(blk.start, blk.start + blk.count * blk.length)
+            yv = y[rows].unflatten(0, (blk.count, blk.length))
+            v = vec[blk.pick][:, None, :]
+            yv.add_(v) if n is None else yv.addcmul_(v, n[rows].unflatten(0, (blk.count, blk.length)))
+        if (g := self.gather) is not None:
+            v = vec.index_select(0, g.member)
+            y.index_add_(0, g.rows, v if n is None else v * n.index_select(0, g.rows))
