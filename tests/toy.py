@@ -58,7 +58,7 @@ def toy_config(model_dir: str | Path, *, heldout: int = 4, gen_batch: int = 8, *
 
 def make_tiny_model(path: str | Path, seed: int = 0, *, hidden: int = 32, heads: int = 4, kind: str = "llama") -> Path:
     """Save a 2-layer Llama (hidden 32, tied embeddings) with a character-level tokenizer as an HF directory;
-    ``kind="qwen2"``: a Qwen2 (q/k/v biases, given values; untied lm_head).
+    ``kind="qwen2"``: a Qwen2 (q/k/v biases and norm weights given values, one norm weight entry 0; untied lm_head).
 
     vLLM's CPU attention needs head_dim >= 32 or so: use hidden=128, heads=2 for it."""
     import torch
@@ -94,10 +94,13 @@ def make_tiny_model(path: str | Path, seed: int = 0, *, hidden: int = 32, heads:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False))
-        with torch.no_grad():  # HF initializes biases to zero: give them values so their noise shows
+        with torch.no_grad():  # HF initializes biases to zero and norm weights to one: give them values
             for n, p in model.named_parameters():
                 if n.endswith("bias"):
                     p.normal_(0, 0.1)
+                elif n.endswith("norm.weight"):
+                    p.normal_(1, 0.1)
+            model.model.layers[0].post_attention_layernorm.weight[3] = 0  # vLLM low rank: a norm it cannot divide by
     path = Path(path)
     model.save_pretrained(path)
     tok.save_pretrained(path)

@@ -6,14 +6,13 @@ all scheduled tokens of all requests as one (T, hidden) tensor, in the order of 
 batch (which it reorders between steps), so the hooks cannot assume member-major rows: before each forward pass
 a pre-hook on the model reads which request every token belongs to (``runner.req_indices``, filled for this step
 by ``_prepare_inputs``) and which member every request belongs to (``SamplingParams.extra_args["es_member"]``,
-set by the driver, esbatch/backends/vllm.py), and groups the rows by member (``_Groups``: while no request has
-finished the batch is member-major already and the rows are only viewed; otherwise they are gathered into
-(members, rows per member) slots and the products added back with index_add_), so each term is one batched
-matmul per module, as in the HF backend:
+set by the driver, esbatch/backends/vllm.py), and groups the rows by member (``_Groups``: runs of one member's
+rows, consecutive runs of equal length viewed in place as (members, rows, k) blocks, the few rows left over
+gathered), so each term is one batched matmul per module and block, as in the HF backend:
 
     linear (fused too)  y[:, rows of part p] += (x B_p[m_t]) (s A_p / sqrt(r))[m_t]^T   [+ s eps(bias_p)[m_t]]
     embedding           y += (s A / sqrt(r))[m_t][token_t] B[m_t]^T
-    RMSNorm             y += s eps(w)[m_t] * n(h)       h: the input, or the residual sum a fused add returns
+    RMSNorm             y *= 1 + s eps(w)[m_t] / w   (y = w n(h));  y += s eps(w)[m_t] n(h) where some w_j = 0
     logits              logits_j += (h_j B[m_j]) (s A / sqrt(r))[m_j]^T      one row per request (m_j: its member)
 
 A fused qkv_proj / gate_up_proj holds several HF matrices (esbatch/backends/layout.py): each part has its own
@@ -61,6 +60,7 @@ class _Members:
     bt: dict[str, torch.Tensor] = field(default_factory=dict)  # (U+1, r, n): B transposed
     vec: dict[str, torch.Tensor] = field(default_factory=dict)  # (U+1, d): s eps
     bt_cat: dict[int, torch.Tensor] = field(default_factory=dict)  # id(module) -> (U+1, parts * r, n)
+    gain: dict[int, torch.Tensor] = field(default_factory=dict)  # id(RMSNorm) -> (U+1, d) fp32: 1 + s eps / w
 
 
 class EngineLowRank:
@@ -132,17 +132,19 @@ class EngineLowRank:
     def _prepare(self, members: Sequence[tuple[int, float]]) -> _Members:
         out = _Members(len(members))
         c = 1.0 / math.sqrt(self.rank)
+        looked_up = {site.weight[0][0] for site in self.sites.values() if site.kind == "embedding"}
+        u, r = len(members), self.rank
         for name in self.weights.perturbed_names():
             p = self.weights.live[name]
-            if is_matrix(p):
-                fs = [factors(seed, name, p.shape, self.rank, self.weights.noise, p.device) for seed, _ in members]
-                zero_a = torch.zeros(p.shape[0], self.rank, device=p.device)
-                zero_b = torch.zeros(p.shape[1], self.rank, device=p.device)
-                a = torch.stack([f[0].mul_(s * c).to(p.device) for f, (_, s) in zip(fs, members)] + [zero_a])
-                b = torch.stack([f[1].to(p.device) for f in fs] + [zero_b])
-                out.a[name] = a.to(p.dtype)
-                out.at[name] = out.a[name].transpose(1, 2).contiguous()
-                out.bt[name] = b.to(p.dtype).transpose(1, 2).contiguous()
+            if is_matrix(p):  # filled member by member (the last, member U, stays zero), cast to the model's dtype
+                at = torch.zeros(u + 1, r, p.shape[0], dtype=p.dtype, device=p.device)
+                bt = torch.zeros(u + 1, r, p.shape[1], dtype=p.dtype, device=p.device)
+                for i, (seed, s) in enumerate(members):
+                    a, b = factors(seed, name, p.shape, r, self.weights.noise, p.device)
+                    at[i], bt[i] = a.mul_(s * c).T, b.T
+                out.at[name], out.bt[name] = at, bt
+                if name in looked_up:
+                    out.a[name] = at.transpose(1, 2).contiguous()
             else:
                 where, noise = eps_device(self.weights.noise, p.device), self.weights.noise
                 eps = [direction(seed, name, p.shape, noise, where).to(p.device) * s for seed, s in members]
@@ -150,6 +152,10 @@ class EngineLowRank:
         for mod, site in self.sites.items():
             if site.kind == "linear" and len(site.weight) > 1:  # one bmm for all parts of a fused matrix
                 out.bt_cat[id(mod)] = torch.cat([out.bt[hf] for hf, _, _ in site.weight], dim=1)
+            if site.kind == "rmsnorm":  # (w + s eps) n(h) = out (1 + s eps / w) where no w_j is 0
+                w = self.weights.live[site.weight[0][0]].to(torch.float32)
+                if bool((w != 0).all()):
+                    out.gain[id(mod)] = 1 + out.vec[site.weight[0][0]].to(torch.float32) / w
         return out
 
     # ---------------------------------------------------------------- per step: which member each token is
@@ -203,7 +209,9 @@ class EngineLowRank:
             pick = mem.a[hf][self.token_member, args[0].reshape(-1).long()]  # (T, r): row token_t of s A / sqrt(r)
             y = out.reshape(-1, out.shape[-1])
             groups.lowrank(y, pick, None, [(0, y.shape[-1], mem.bt[hf], 0)], r)
-        else:  # rmsnorm: n(h) of the input, or of the residual sum a fused add-norm returns
+        elif (gain := mem.gain.get(id(module))) is not None:  # rmsnorm, out = w n(h): one multiply
+            groups.scale(out.view(-1, out.shape[-1]), gain)
+        else:  # rmsnorm with a zero weight entry: n(h) of the input, or of the residual sum a fused add-norm returns
             h = output[1] if isinstance(output, tuple) else args[0]
             f = h.reshape(-1, h.shape[-1]).to(torch.float32)  # h rsqrt(mean h^2 + eps), as the HF backend's, one op
             n = nn.functional.rms_norm(f, (f.shape[-1],), eps=module.variance_epsilon).to(out.dtype)
@@ -336,3 +344,12 @@ class _Groups:
         if (g := self.gather) is not None:
             v = vec.index_select(0, g.member)
             y.index_add_(0, g.rows, v if n is None else v * n.index_select(0, g.rows))
+
+    def scale(self, y: torch.Tensor, gain: torch.Tensor) -> None:
+        """y *= gain[m], each row by its member m's gain, in place, the product in fp32; gain: (U+1, d) fp32."""
+        for blk in self.blocks:
+            rows = slice(blk.start, blk.start + blk.count * blk.length)
+            y[rows].unflatten(0, (blk.count, blk.length)).mul_(gain[blk.pick][:, None, :])
+        if (g := self.gather) is not None:
+            scaled = y.index_select(0, g.rows) * gain.index_select(0, g.member)
+            y.index_copy_(0, g.rows, scaled.to(y.dtype))

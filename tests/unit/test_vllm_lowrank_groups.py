@@ -80,6 +80,14 @@ def check(member: torch.Tensor, seed: int) -> None:
     groups.vector(got, vec, norm)
     torch.testing.assert_close(got, y + vec[member] * norm, rtol=0, atol=1e-12)
 
+    # a norm's gain (y *= gain[m]), in fp32 on a bf16 output
+    gain = 1 + torch.randn(U + 1, 11, generator=g) * 1e-2
+    gain[U] = 1
+    low = y.to(torch.bfloat16)
+    got = low.clone()
+    groups.scale(got, gain)
+    assert torch.equal(got, (low.float() * gain[member]).to(torch.bfloat16))
+
 
 def test_every_layout_vllm_makes_gets_each_rows_own_members_term():
     for name, runs in CASES.items():
