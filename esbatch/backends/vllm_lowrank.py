@@ -60,6 +60,7 @@ class _Members:
     bt: dict[str, torch.Tensor] = field(default_factory=dict)  # (U+1, r, n): B transposed
     vec: dict[str, torch.Tensor] = field(default_factory=dict)  # (U+1, d): s eps
     bt_cat: dict[int, torch.Tensor] = field(default_factory=dict)  # id(module) -> (U+1, parts * r, n)
+    at_cat: dict[int, torch.Tensor] = field(default_factory=dict)  # id(module) -> (U+1, parts * r, out): r > 1
     gain: dict[int, torch.Tensor] = field(default_factory=dict)  # id(RMSNorm) -> (U+1, d) fp32: 1 + s eps / w
 
 
@@ -152,6 +153,13 @@ class EngineLowRank:
         for mod, site in self.sites.items():
             if site.kind == "linear" and len(site.weight) > 1:  # one bmm for all parts of a fused matrix
                 out.bt_cat[id(mod)] = torch.cat([out.bt[hf] for hf, _, _ in site.weight], dim=1)
+                if r > 1:  # and one product into the whole output: part k's factors on its own columns, 0 elsewhere
+                    first = out.at[site.weight[0][0]]
+                    shape = (u + 1, len(site.weight) * r, mod.weight.shape[0])
+                    cat = torch.zeros(shape, dtype=first.dtype, device=first.device)
+                    for k, (hf, row, rows) in enumerate(site.weight):
+                        cat[:, k * r : (k + 1) * r, row : row + rows] = out.at[hf]
+                    out.at_cat[id(mod)] = cat
             if site.kind == "rmsnorm":  # (w + s eps) n(h) = out (1 + s eps / w) where no w_j is 0
                 w = self.weights.live[site.weight[0][0]].to(torch.float32)
                 if bool((w != 0).all()):
@@ -200,8 +208,11 @@ class EngineLowRank:
             y = out.reshape(-1, out.shape[-1])
             if site.weight:
                 bt = mem.bt_cat.get(id(module), mem.bt[site.weight[0][0]])
-                parts = [(row, rows, mem.at[hf], k) for k, (hf, row, rows) in enumerate(site.weight)]
-                groups.lowrank(y, x, bt, parts, r)
+                if (at_cat := mem.at_cat.get(id(module))) is not None:  # fused, r > 1: one baddbmm_ over all parts
+                    groups.lowrank(y, x, bt, [(0, y.shape[-1], at_cat, 0)], r * len(site.weight))
+                else:
+                    parts = [(row, rows, mem.at[hf], k) for k, (hf, row, rows) in enumerate(site.weight)]
+                    groups.lowrank(y, x, bt, parts, r)
             for hf, row, rows in site.bias:
                 groups.vector(y[:, row : row + rows], mem.vec[hf])
         elif site.kind == "embedding":
