@@ -32,7 +32,6 @@ that finished stay in the batch until the last row ends (padding, no effect on t
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -43,8 +42,7 @@ import torch
 from torch import nn
 
 from esbatch.backends.base import PopulationOutput, SamplingParams
-from esbatch.perturb.lowrank import LowRankWeights, factors, is_matrix
-from esbatch.perturb.noise import direction, eps_device
+from esbatch.perturb.lowrank import LowRankWeights
 
 
 def _is_rmsnorm(module: nn.Module) -> bool:
@@ -124,19 +122,14 @@ class LowRankPopulation:
     def _prepare(self, members: Sequence[tuple[int, float, int]]) -> _Batch:
         """Scaled factors and vector noise of ``members``, stacked per parameter, in the compute dtype."""
         batch = _Batch(len(members))
-        c = 1.0 / math.sqrt(self.rank)
-        for name in self.weights.perturbed_names():
-            p = self.weights.live[name]
-            if is_matrix(p):
-                fs = [factors(seed, name, p.shape, self.rank, self.weights.noise, p.device) for seed, _, _ in members]
-                batch.a[name] = torch.stack([a.mul_(s * c) for (a, _), (_, s, _) in zip(fs, members)]).to(p.dtype)
-                batch.b[name] = torch.stack([b for _, b in fs]).to(p.dtype)
-                batch.at[name] = batch.a[name].transpose(1, 2).contiguous()
-                batch.bt[name] = batch.b[name].transpose(1, 2).contiguous()
-            else:
-                where = eps_device(self.weights.noise, p.device)
-                eps = [direction(seed, name, p.shape, self.weights.noise, where) * s for seed, s, _ in members]
-                batch.vec[name] = torch.stack(eps).to(device=p.device, dtype=p.dtype)
+        mats, vecs = self.weights.population([(seed, s) for seed, s, _ in members])  # fp32, drawn at once
+        for name, (a, b) in mats.items():
+            dtype = self.weights.live[name].dtype
+            batch.a[name], batch.b[name] = a.to(dtype), b.to(dtype)
+            batch.at[name] = batch.a[name].transpose(1, 2).contiguous()
+            batch.bt[name] = batch.b[name].transpose(1, 2).contiguous()
+        for name, eps in vecs.items():
+            batch.vec[name] = eps.to(self.weights.live[name].dtype)
         return batch
 
     def _hook(self, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:

@@ -29,7 +29,6 @@ starts low-rank engines with enforce_eager.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from esbatch.perturb.lowrank import LowRankWeights, factors, is_matrix
-from esbatch.perturb.noise import direction, eps_device
+from esbatch.perturb.lowrank import LowRankWeights
 
 Part = tuple[str, int, int]  # (HF name, first row in the engine tensor, rows)
 
@@ -112,6 +110,8 @@ class EngineLowRank:
                 "Use es.lowrank_vectors: frozen, es.perturbation: full, or backend.name: hf"
             )
         self.members: _Members | None = None
+        self._buffers: dict[Any, torch.Tensor] = {}  # the stacks of the last population, reused (_buffer)
+        self._scratch: dict[str, torch.Tensor] = {}  # fp32 draws (LowRankWeights.population)
         self.handles: list[Any] = []
         self.token_member = self.row_member = torch.zeros(0, dtype=torch.long)
 
@@ -130,40 +130,47 @@ class EngineLowRank:
             h.remove()
         self.handles, self.members = [], None
 
+    def _buffer(self, key: Any, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A stack of the next population, in memory reused from the last when the shape matches: a population's
+        stacks are rewritten in full, and fresh memory costs a page fault per 4 KiB (half of a begin's time)."""
+        have = self._buffers.get(key)
+        if have is None or tuple(have.shape) != shape or (have.dtype, have.device) != (like.dtype, like.device):
+            have = self._buffers[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return have
+
+    @torch.no_grad()
     def _prepare(self, members: Sequence[tuple[int, float]]) -> _Members:
         out = _Members(len(members))
-        c = 1.0 / math.sqrt(self.rank)
         looked_up = {site.weight[0][0] for site in self.sites.values() if site.kind == "embedding"}
-        u, r = len(members), self.rank
-        for name in self.weights.perturbed_names():
+        u, r, buf = len(members), self.rank, self._buffer
+        mats, vecs = self.weights.population(members, self._scratch)  # fp32, drawn at once
+        for name, (a, b) in mats.items():  # cast to the model's dtype; the last, member U, is zero
             p = self.weights.live[name]
-            if is_matrix(p):  # filled member by member (the last, member U, stays zero), cast to the model's dtype
-                at = torch.zeros(u + 1, r, p.shape[0], dtype=p.dtype, device=p.device)
-                bt = torch.zeros(u + 1, r, p.shape[1], dtype=p.dtype, device=p.device)
-                for i, (seed, s) in enumerate(members):
-                    a, b = factors(seed, name, p.shape, r, self.weights.noise, p.device)
-                    at[i], bt[i] = a.mul_(s * c).T, b.T
-                out.at[name], out.bt[name] = at, bt
-                if name in looked_up:
-                    out.a[name] = at.transpose(1, 2).contiguous()
-            else:
-                where, noise = eps_device(self.weights.noise, p.device), self.weights.noise
-                eps = [direction(seed, name, p.shape, noise, where).to(p.device) * s for seed, s in members]
-                out.vec[name] = torch.stack([*eps, torch.zeros(p.shape, device=p.device)]).to(p.dtype)
+            at, bt = buf((name, "at"), (u + 1, r, p.shape[0]), p), buf((name, "bt"), (u + 1, r, p.shape[1]), p)
+            at[:u], bt[:u] = a.transpose(1, 2), b.transpose(1, 2)
+            at[u], bt[u] = 0, 0
+            out.at[name], out.bt[name] = at, bt
+            if name in looked_up:
+                out.a[name] = buf((name, "a"), (u + 1, p.shape[0], r), p).copy_(at.transpose(1, 2))
+        for name, eps in vecs.items():
+            vec = out.vec[name] = buf((name, "vec"), (u + 1, *eps.shape[1:]), self.weights.live[name])
+            vec[:u], vec[u] = eps, 0
         for mod, site in self.sites.items():
             if site.kind == "linear" and len(site.weight) > 1:  # one bmm for all parts of a fused matrix
-                out.bt_cat[id(mod)] = torch.cat([out.bt[hf] for hf, _, _ in site.weight], dim=1)
+                first = out.bt[site.weight[0][0]]
+                cat = buf((id(mod), "bt"), (u + 1, len(site.weight) * r, first.shape[-1]), first)
+                out.bt_cat[id(mod)] = torch.cat([out.bt[hf] for hf, _, _ in site.weight], dim=1, out=cat)
                 if r > 1:  # and one product into the whole output: part k's factors on its own columns, 0 elsewhere
-                    first = out.at[site.weight[0][0]]
-                    shape = (u + 1, len(site.weight) * r, mod.weight.shape[0])
-                    cat = torch.zeros(shape, dtype=first.dtype, device=first.device)
+                    cat = buf((id(mod), "at"), (u + 1, len(site.weight) * r, mod.weight.shape[0]), first).zero_()
                     for k, (hf, row, rows) in enumerate(site.weight):
                         cat[:, k * r : (k + 1) * r, row : row + rows] = out.at[hf]
                     out.at_cat[id(mod)] = cat
             if site.kind == "rmsnorm":  # (w + s eps) n(h) = out (1 + s eps / w) where no w_j is 0
                 w = self.weights.live[site.weight[0][0]].to(torch.float32)
                 if bool((w != 0).all()):
-                    out.gain[id(mod)] = 1 + out.vec[site.weight[0][0]].to(torch.float32) / w
+                    vec = out.vec[site.weight[0][0]]
+                    gain = buf((id(mod), "gain"), tuple(vec.shape), w)
+                    out.gain[id(mod)] = torch.div(vec.to(torch.float32), w, out=gain).add_(1)
         return out
 
     # ---------------------------------------------------------------- per step: which member each token is

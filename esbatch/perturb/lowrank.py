@@ -26,12 +26,12 @@ count), so a replay of the logged UpdateSpecs rebuilds the center bit for bit an
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from esbatch.perturb.centered import CenteredWeights
-from esbatch.perturb.noise import CHUNK, DEFAULT_NOISE, direction, eps_device
+from esbatch.perturb.noise import CHUNK, DEFAULT_NOISE, direction, draw_stacks, eps_device
 from esbatch.perturb.update import UpdateSpec, es_update, flat
 
 PERTURBATIONS = ("full", "lowrank")  # es.perturbation
@@ -146,6 +146,39 @@ class LowRankWeights(CenteredWeights):
     def perturbed_names(self) -> list[str]:
         """The parameters a member moves: every matrix, and the other tensors unless vectors is frozen."""
         return [n for n, t in self.master.items() if is_matrix(t) or self.vectors == "full"]
+
+    @torch.no_grad()
+    def population(
+        self, members: Sequence[tuple[int, float]], scratch: dict[str, torch.Tensor] | None = None
+    ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
+        """The perturbations of members (direction seed, scale s) for a batched forward, fp32 on each weight's
+        device: {matrix: (s A / sqrt(r) as (U, m, r), B as (U, n, r))} and {other perturbed tensor: s eps as
+        (U, *shape)}, row i member i's. All drawn at once (noise.draw_stacks), with the bits of ``factors`` and
+        ``direction`` per member scaled as a.mul_(s / sqrt(r)) and eps * s (tests/unit/test_lowrank.py). ``scratch``:
+        draw_stacks' buffers, reused by the next call (the results are views of them)."""
+        c, r = 1.0 / math.sqrt(self.rank), self.rank
+        by_device: dict[torch.device, dict[str, tuple[int, ...]]] = {}
+        for name in self.perturbed_names():
+            p = self.live[name]
+            shapes = by_device.setdefault(p.device, {})
+            if is_matrix(p):
+                shapes[f"{name}#A"], shapes[f"{name}#B"] = (p.shape[0], r), (p.shape[1], r)
+            else:
+                shapes[name] = tuple(p.shape)
+        seeds = [seed for seed, _ in members]
+        eps = {}
+        for dev, shapes in by_device.items():
+            eps.update(draw_stacks(seeds, shapes, self.noise, dev, scratch))
+        mats, vecs = {}, {}
+        for name in self.perturbed_names():
+            dev = self.live[name].device
+            if is_matrix(self.live[name]):
+                a_scale = torch.tensor([s * c for _, s in members], dtype=torch.float32, device=dev)  # as a.mul_(s * c)
+                mats[name] = (eps[f"{name}#A"].mul_(a_scale[:, None, None]), eps[f"{name}#B"])
+            else:
+                scale = torch.tensor([s for _, s in members], dtype=torch.float32, device=dev)
+                vecs[name] = eps[name].mul_(scale.view(-1, *[1] * (eps[name].dim() - 1)))
+        return mats, vecs
 
     @torch.no_grad()
     def perturb(self, seed: int, scale: float, over: bool = False) -> None:

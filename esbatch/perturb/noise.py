@@ -53,7 +53,7 @@ import os
 import platform
 import subprocess
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -362,7 +362,56 @@ def run_jobs(jobs: Sequence[tuple[Any, ...]]) -> list[Any]:
     workers = min(torch.get_num_threads(), len(jobs))
     if workers <= 1:
         return [fn(*args) for fn, *args in jobs]
-    return list(_pool(workers).map(lambda job: job[0](*job[1:]), jobs))
+    # the pool's hand-off costs ~30 us a task, more than a small tensor's draw: hand out runs of ~JOB elements
+    # (every job's args start with (start, count)), so a population's thousands of small factors cost no more
+    batches, run, size = [], [], 0
+    for job in jobs:
+        run.append(job)
+        size += job[2]
+        if size >= JOB:
+            batches.append(run)
+            run, size = [], 0
+    if run:
+        batches.append(run)
+    done = _pool(workers).map(lambda batch: [fn(*args) for fn, *args in batch], batches)
+    return [result for batch in done for result in batch]
+
+
+def draw_stacks(
+    seeds: Sequence[int],
+    shapes: Mapping[str, tuple[int, ...]],
+    noise: str = DEFAULT_NOISE,
+    device: torch.device | str = "cpu",
+    scratch: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """eps(seed, name) of every seed and name: {name: fp32 (len(seeds), *shape)} on ``device``, stack row i that
+    of seeds[i], with the bits of ``direction``. Low-rank ES draws a whole population's factors at once: on the CPU
+    every draw is a C kernel job and all run in one round over torch's threads (a population's hundreds of small
+    tensors drawn one call each spent most of their time in Python, on one core). ``scratch``: stacks of earlier
+    calls, written over where the shapes match and kept for the next (fresh memory costs a page fault per 4 KiB)."""
+    device, scratch = torch.device(device), {} if scratch is None else scratch
+    where = eps_device(noise, device)
+    lib = _cpu_lib() if check_noise(noise) != LEGACY_NOISE and where.type == "cpu" else None
+    for name, shape in shapes.items():
+        have = scratch.get(name)
+        if have is None or tuple(have.shape) != (len(seeds), *shape) or have.device != where:
+            scratch[name] = torch.empty((len(seeds), *shape), dtype=torch.float32, device=where)
+    stacks = {name: scratch[name] for name in shapes}
+    if lib is None:  # eager torch, or the device's compiled draw, tensor by tensor: the same bits
+        for name, stack in stacks.items():
+            for i, seed in enumerate(seeds):
+                stack[i] = direction(seed, name, stack.shape[1:], noise, where)
+        return {name: stack.to(device) for name, stack in stacks.items()}
+    table, kind, jobs = _table(where).data_ptr(), 0 if noise == "philox-gauss" else 1, []
+    for name, stack in stacks.items():
+        count = math.prod(stack.shape[1:])
+        cuts = _cuts(0, count)
+        for i, seed in enumerate(seeds):
+            key, ptr = tensor_seed(seed, name), stack.data_ptr() + 4 * i * count
+            args = (key & _MASK32, key >> 32, table, kind, int(CPU_SIMD))
+            jobs += [(lib.esbatch_noise, a, b - a, *args, ptr + 4 * a) for a, b in zip(cuts, cuts[1:]) if b > a]
+    run_jobs(jobs)
+    return {name: stack.to(device) for name, stack in stacks.items()}
 
 
 def _cuts(start: int, end: int, job: int = JOB) -> list[int]:

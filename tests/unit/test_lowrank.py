@@ -18,6 +18,7 @@ from esbatch.config.run import LOWRANK_VECTORS, PERTURBATIONS
 from esbatch.es.trainer import es_step, replay
 from esbatch.perturb import lowrank
 from esbatch.perturb.lowrank import lowrank_update
+from esbatch.perturb.noise import direction
 from esbatch.perturb.update import UpdateSpec
 from esbatch.train.problems import load_problems
 
@@ -170,6 +171,27 @@ def test_perturb_materializes_the_member(tok, vectors):
         torch.testing.assert_close(p.double(), want[name], rtol=0, atol=1e-6)
     b.restore()
     assert all(torch.equal(p, before[n]) for n, p in b.params.items())
+
+
+@pytest.mark.parametrize("noise", ["philox-gauss", "philox-rademacher", "legacy-cpu"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_populations_draw_at_once_has_each_members_bits(noise, threads, monkeypatch):
+    """LowRankWeights.population (one round of C kernel jobs) against factors / direction member by member, scaled
+    as the batched forwards did before: bit for bit, a factor longer than a kernel job (noise.JOB) included."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    live = {"emb": torch.zeros(70_001, 3), "m.weight": torch.zeros(7, 5), "norm.weight": torch.zeros(5)}
+    w = lowrank.LowRankWeights(live, track_drift=False, noise=noise, rank=4)
+    members = [(11, 0.05), (11, -0.05), (2**32 - 1, 1e-3), (0, -0.3)]
+    mats, vecs = w.population(members)
+    assert sorted(mats) == ["emb", "m.weight"] and sorted(vecs) == ["norm.weight"]
+    for i, (seed, s) in enumerate(members):
+        for name, (a, b) in mats.items():
+            fa, fb = lowrank.factors(seed, name, live[name].shape, 4, noise)
+            assert torch.equal(a[i], fa.mul_(s * 0.5)) and torch.equal(b[i], fb), (name, i)
+        assert torch.equal(vecs["norm.weight"][i], direction(seed, "norm.weight", (5,), noise) * s)
+    if noise != "legacy-cpu":  # the stack holds the generator's own values: one factor against the numpy reference
+        want = eps_tensor(11, "m.weight#B", (5, 4), noise.removeprefix("philox-"))
+        assert torch.equal(mats["m.weight"][1][0], want)
 
 
 @pytest.mark.parametrize("vectors", LOWRANK_VECTORS)

@@ -46,6 +46,8 @@ def test_each_members_greedy_outputs_equal_the_hf_backends(both):
     assert len({tuple(map(tuple, m)) for m in got}) == len(MEMBERS)  # every member generates its own outputs
     assert all(m != center for m in got)  # the perturbation is live
     assert [g.token_ids for g in vb.generate(PROMPTS, GREEDY, 0)] == center  # hooks gone: the center again
+    others = [(7, 0.3, 1), (8, -0.3, 2), (9, 0.2, 3), (10, 0.3, 4)]  # the same size: the engine reuses its stacks
+    assert ids(vb.evaluate_population(others, PROMPTS, GREEDY)) == ids(hb.evaluate_population(others, PROMPTS, GREEDY))
 
 
 def test_a_lowrank_update_through_vllm_equals_the_hf_backends(both):
