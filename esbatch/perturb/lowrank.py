@@ -157,27 +157,27 @@ class LowRankWeights(CenteredWeights):
         ``direction`` per member scaled as a.mul_(s / sqrt(r)) and eps * s (tests/unit/test_lowrank.py). ``scratch``:
         draw_stacks' buffers, reused by the next call (the results are views of them)."""
         c, r = 1.0 / math.sqrt(self.rank), self.rank
+        names = self.perturbed_names()
         by_device: dict[torch.device, dict[str, tuple[int, ...]]] = {}
-        for name in self.perturbed_names():
+        for name in names:
             p = self.live[name]
             shapes = by_device.setdefault(p.device, {})
             if is_matrix(p):
                 shapes[f"{name}#A"], shapes[f"{name}#B"] = (p.shape[0], r), (p.shape[1], r)
             else:
                 shapes[name] = tuple(p.shape)
-        seeds = [seed for seed, _ in members]
-        eps = {}
+        seeds, eps, a_scale, scale = [seed for seed, _ in members], {}, {}, {}
         for dev, shapes in by_device.items():
             eps.update(draw_stacks(seeds, shapes, self.noise, dev, scratch))
+            a_scale[dev] = torch.tensor([s * c for _, s in members], dtype=torch.float32, device=dev)  # a.mul_(s * c)
+            scale[dev] = torch.tensor([s for _, s in members], dtype=torch.float32, device=dev)
         mats, vecs = {}, {}
-        for name in self.perturbed_names():
-            dev = self.live[name].device
-            if is_matrix(self.live[name]):
-                a_scale = torch.tensor([s * c for _, s in members], dtype=torch.float32, device=dev)  # as a.mul_(s * c)
-                mats[name] = (eps[f"{name}#A"].mul_(a_scale[:, None, None]), eps[f"{name}#B"])
+        for name in names:
+            p = self.live[name]
+            if is_matrix(p):
+                mats[name] = (eps[f"{name}#A"].mul_(a_scale[p.device][:, None, None]), eps[f"{name}#B"])
             else:
-                scale = torch.tensor([s for _, s in members], dtype=torch.float32, device=dev)
-                vecs[name] = eps[name].mul_(scale.view(-1, *[1] * (eps[name].dim() - 1)))
+                vecs[name] = eps[name].mul_(scale[p.device].view(-1, *[1] * p.dim()))
         return mats, vecs
 
     @torch.no_grad()
