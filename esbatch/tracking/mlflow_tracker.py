@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,14 +40,39 @@ def default_tracking_uri(output_dir: str | Path) -> str:
     return f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
 
 
+@functools.cache
 def _git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(esbatch.__file__).parent, capture_output=True, text=True, timeout=5
-        )
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
+    return git_commit(Path(esbatch.__file__).resolve().parent)
+
+
+def git_commit(path: Path) -> str:
+    """The commit checked out in the repository holding ``path``, read from its .git (no git process: one per
+    tracked run added up in sweeps and tests); "unknown" outside a repository (an installed wheel) or when it
+    cannot be read."""
+    for top in (path, *path.parents):
+        dot = top / ".git"
+        if dot.exists():
+            break
+    else:
         return "unknown"
+    try:
+        gitdir = dot if dot.is_dir() else (top / dot.read_text().split("gitdir:", 1)[1].strip()).resolve()
+        common = gitdir / "commondir"  # a worktree keeps its refs in the main repository
+        common = (gitdir / common.read_text().strip()).resolve() if common.exists() else gitdir
+        head = (gitdir / "HEAD").read_text().strip()
+        if not head.startswith("ref:"):
+            return head or "unknown"  # a detached HEAD holds the commit itself
+        ref = head[4:].strip()
+        for base in (gitdir, common):
+            if (base / ref).is_file():
+                return (base / ref).read_text().strip() or "unknown"
+        packed = common / "packed-refs"
+        for line in packed.read_text().splitlines() if packed.exists() else []:
+            if line.endswith(" " + ref):
+                return line.split(" ", 1)[0]
+    except (OSError, IndexError):
+        pass
+    return "unknown"
 
 
 def parent_tag(parent_run_id: str | None) -> dict[str, str]:
