@@ -8,14 +8,15 @@ stuck RUNNING), however often it is repeated. The run is then marked killed and 
 
 from __future__ import annotations
 
+import os
 import signal
-import sys
 import threading
 from collections.abc import Iterable
 from typing import Any
 
 STOP = threading.Event()
 _REQUESTED: list[int] = []
+_in_handler = False
 
 
 class Stopped(KeyboardInterrupt):
@@ -23,11 +24,24 @@ class Stopped(KeyboardInterrupt):
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    if not STOP.is_set():
-        name = signal.Signals(signum).name
-        print(f"\n{name}: stopping after the current update (the run stays resumable)", file=sys.stderr, flush=True)
+    """Python runs a handler between two bytecodes of the main thread, also inside another handler: a second
+    signal arriving while ``STOP.set()`` holds its lock would run this again and block on that lock forever (seen
+    under a signal storm as a recursion in ``Event.set``). So a handler that finds one already running only
+    records its signal, and the message goes out with ``os.write``, which cannot meet a half-done ``print``."""
+    global _in_handler
     _REQUESTED.append(signum)
-    STOP.set()
+    if _in_handler or STOP.is_set():
+        return
+    _in_handler = True
+    try:
+        name = signal.Signals(signum).name
+        try:
+            os.write(2, f"\n{name}: stopping after the current update (the run stays resumable)\n".encode())
+        except OSError:  # stderr closed: the stop still counts
+            pass
+        STOP.set()
+    finally:
+        _in_handler = False
 
 
 def install(signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
