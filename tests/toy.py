@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 from esbatch.tasks.base import Example, Task, disjoint_splits
+from esbatch.train import stop
 from esbatch.tasks.verify import Verdict
 
 CHAT_TEMPLATE = (
@@ -147,6 +148,47 @@ class HangingDigitTask(DigitTask):
             os.remove(self.marker)
             threading.Event().wait()  # never returns
         return super().score(response, ex)
+
+
+class GatedDigitTask(DigitTask):
+    """DigitTask whose scorer waits once at a test's gate (tests/gate.py): on rank ``rank``, at the first response
+    to the ``after_examples + 1``-th distinct problem the process scores, so it is inside the update (or eval
+    chunk) that brings that problem (``examples_before``). Scores as DigitTask, so a gated run ends on the center
+    of an ungated one."""
+
+    def __init__(self, data_path=None, *, size=40, gate="", after_examples=0, rank="0"):
+        super().__init__(data_path, size=size)
+        self.gate, self.after, self.rank = gate, int(after_examples), str(rank)
+        self.seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def score(self, response, ex):
+        with self._lock:  # scorers may run in threads
+            new = ex.question not in self.seen
+            self.seen.add(ex.question)
+            due = new and len(self.seen) == self.after + 1
+        if due and os.environ.get("RANK", "0") == self.rank:
+            from gate import wait_at
+
+            if wait_at(self.gate, str(os.getpid())) == "stop" and not stop.STOP.wait(600):
+                raise RuntimeError("released by the gate to stop, but no stop signal arrived in 600 s")
+        return super().score(response, ex)
+
+
+def examples_before(cfg: dict, update: int) -> int:
+    """Distinct problems a run of ``cfg`` (a toy config) has scored before update ``update`` brings its first new
+    one: the held-out problems (evaluated first), then B new training problems per update (within the first pass
+    over the training set). The same for ES and GRPO and any population or group size."""
+    algo = cfg.get("algorithm", "es")
+    b = cfg[algo if algo in ("es", "grpo") else "es"]["batch_size"]
+    assert update * b <= cfg["task"]["params"]["size"], "the gate counts problems within the first epoch"
+    return cfg["task"].get("heldout_size", 0) + update * b
+
+
+def gated(cfg: dict, gate: str, update: int, rank: int = 0) -> dict:
+    """``cfg`` (a toy config) with its task waiting at ``gate`` inside update ``update`` on rank ``rank``."""
+    params = {**cfg["task"].get("params", {}), "gate": gate, "after_examples": examples_before(cfg, update)}
+    return {**cfg, "task": {**cfg["task"], "name": "toy:GatedDigitTask", "params": {**params, "rank": str(rank)}}}
 
 
 def fuse(hf_state):

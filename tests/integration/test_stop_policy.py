@@ -1,25 +1,29 @@
 """One stop policy everywhere: a storm of SIGINT and SIGTERM during a local sweep whose runs share one sqlite
-MLflow store leaves no run stuck RUNNING, no locked database, and every run resumable bit for bit."""
+MLflow store leaves no run stuck RUNNING, no locked database, and every run resumable bit for bit.
+
+Every stop lands mid-update by construction: the runs' scorer waits at a gate (tests/gate.py) inside update 1
+until the test has signalled, and the storm goes on while the released runs write to the store and exit."""
 
 import json
 import os
 import signal
 import sqlite3
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
 import yaml
+from gate import Gate, gate_path
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
-from toy import ROOT, run_esbatch, spawn_esbatch, toy_config
+from toy import gated, run_esbatch, spawn_esbatch, toy_config
 
 UPDATES = 4
 
 
-def write_sweep(tmp: Path, model_dir: Path) -> Path:
+def write_sweep(tmp: Path, model_dir: Path, gate: str) -> Path:
+    """Runs that wait at ``gate`` on their first scoring call of update 1 (one logged update, so all are writing
+    to the store)."""
     base = toy_config(
         model_dir,
         heldout=2,
@@ -28,6 +32,7 @@ def write_sweep(tmp: Path, model_dir: Path) -> Path:
         checkpoint={"every": 2},
         run={"seed": 5, "threads": 1},
     )
+    base = gated(base, gate, 1)
     (tmp / "base.yaml").write_text(yaml.safe_dump(base))
     sweep = {
         "name": "storm",
@@ -47,32 +52,39 @@ def logged(run_dir: Path) -> int:
     return log.read_bytes().count(b"\n") if log.exists() else 0
 
 
-def test_signal_storm_on_a_local_sweep_loses_nothing(tmp_path, tiny_model_dir):
-    path = write_sweep(tmp_path, tiny_model_dir)
-    ref = run_esbatch("sweep", str(path), "--name", "calm", timeout=900)  # the undisturbed reference
-    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
-
-    proc = spawn_esbatch("sweep", str(path))
-    sd = tmp_path / "out" / "storm"
-    deadline = time.time() + 300
-    while time.time() < deadline:  # every run has logged an update: all three are writing to the store
-        runs = sorted((sd / "runs").iterdir()) if (sd / "runs").exists() else []
-        if len(runs) == 3 and all(logged(r) >= 1 for r in runs):
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the sweep ended before the storm"
-    pids = list(json.loads((sd / "sweep.json").read_text())["submissions"][-1]["pids"].values())
+def storm(pids: list[int], rounds: int) -> None:
+    """``rounds`` of SIGINT / SIGTERM (alternating) to every process still there."""
     sigs = [signal.SIGINT, signal.SIGTERM]
-    for i in range(40):  # 2 s of signals to the launcher and to every task, alternating kinds
-        for pid in [proc.pid, *pids]:
+    for i in range(rounds):
+        for pid in pids:
             try:
                 os.kill(pid, sigs[i % 2])
             except ProcessLookupError:
                 pass
-        time.sleep(0.05)
+
+
+def test_signal_storm_on_a_local_sweep_loses_nothing(tmp_path, tiny_model_dir):
+    gate = gate_path()
+    path = write_sweep(tmp_path, tiny_model_dir, gate)
+    ref = run_esbatch("sweep", str(path), "--name", "calm", timeout=900)  # the undisturbed reference (no gate yet)
+    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
+
+    sd = tmp_path / "out" / "storm"
+    with Gate(gate) as g:
+        proc = spawn_esbatch("sweep", str(path))
+        g.arrivals(3)  # every run is inside update 1, its update 0 logged and in the store
+        pids = [proc.pid, *json.loads((sd / "sweep.json").read_text())["submissions"][-1]["pids"].values()]
+        storm(pids, 20)
+        g.release(stopped=True)
+        while proc.poll() is None:  # signals go on while the runs finish update 1, write the store and exit
+            storm(pids, 2)
+            try:
+                proc.wait(timeout=0.05)
+            except subprocess.TimeoutExpired:
+                pass
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 130 and "interrupted: run `esbatch sweep` again" in out, out[-3000:]
-    assert any(logged(r) < UPDATES for r in (sd / "runs").iterdir()), "the storm came too late to interrupt"
+    assert [logged(r) for r in (sd / "runs").iterdir()] == [2, 2, 2]  # each stopped after the update it was in
 
     # the store is not locked: a write transaction goes through at once
     con = sqlite3.connect(sd / "mlflow.db", timeout=0.5)
@@ -109,53 +121,54 @@ def test_signal_storm_on_a_local_sweep_loses_nothing(tmp_path, tiny_model_dir):
 
 
 def test_sigterm_stops_an_eval_between_chunks_and_the_same_command_continues(tmp_path, tiny_model_dir):
+    """Chunks of 4 problems: the scorer waits at the gate on its first response to chunk 2, the signals land
+    there, chunk 2 is finished and written, and the eval stops before chunk 3."""
+    gate = gate_path()
+    params = {"size": 64, "gate": gate, "after_examples": 4}
     cfg = {
         "name": "e",
         "output_dir": str(tmp_path / "evals"),
         "model": {"name": str(tiny_model_dir), "dtype": "float32"},
         "sampling": {"n": 2, "temperature": 1.0, "max_new_tokens": 4, "batch_size": 2},
         "ks": [1, 2],
-        "tasks": [{"name": "toy:DigitTask", "params": {"size": 64}, "limit": 48}],
+        "tasks": [{"name": "toy:GatedDigitTask", "label": "digits", "params": params, "limit": 48}],
         "tracking": {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
     }
     path = tmp_path / "eval.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "esbatch", "eval", str(path), "--no-progress"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    samples = tmp_path / "evals" / "e" / "samples" / "toy:DigitTask.jsonl"
-    while proc.poll() is None and not (samples.exists() and samples.read_bytes().count(b"\n") >= 4):
-        time.sleep(0.05)
-    for _ in range(5):
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(0.02)
-    out, _ = proc.communicate(timeout=120)
+    samples = tmp_path / "evals" / "e" / "samples" / "digits.jsonl"
+    with Gate(gate) as g:
+        proc = spawn_esbatch("eval", str(path), "--no-progress")
+        g.arrivals(1)
+        for _ in range(5):
+            proc.send_signal(signal.SIGTERM)
+        g.release(stopped=True)
+        out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 130, out[-2000:]
-    done = samples.read_bytes().count(b"\n")
-    assert 4 <= done < 48
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert samples.read_bytes().count(b"\n") == 8  # chunks 1 and 2, whole
+    p = run_esbatch("eval", str(path), "--no-progress")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rows = [json.loads(x) for x in samples.read_text().splitlines()]
     assert sorted(r["i"] for r in rows) == list(range(48))  # every problem once: nothing lost, nothing twice
 
 
 def test_cancel_stops_a_local_sweep_from_another_shell(tmp_path, tiny_model_dir):
-    path = write_sweep(tmp_path, tiny_model_dir)
+    """One run at a time: the first waits at the gate inside update 1 while `esbatch cancel` runs in another
+    process; it stops after that update and the two runs never started stay pending."""
+    gate = gate_path()
+    path = write_sweep(tmp_path, tiny_model_dir, gate)
     spec = yaml.safe_load(path.read_text())
     spec["launcher_overrides"] = {"array_parallelism": 1}
     path.write_text(yaml.safe_dump(spec))
-    base = yaml.safe_load((tmp_path / "base.yaml").read_text())
-    base["es"]["updates"] = 400  # long enough that the cancel lands while the first run trains, also under load
-    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "esbatch", "sweep", str(path)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     sd = tmp_path / "out" / "storm"
-    while proc.poll() is None and not any(logged(r) >= 1 for r in (sd / "runs").glob("*")):
-        time.sleep(0.05)
-    p = run_esbatch("cancel", str(path))
-    assert p.returncode == 0 and "cancelled 1 queued or running run(s)" in p.stdout, p.stdout + p.stderr
-    out, _ = proc.communicate(timeout=300)
+    with Gate(gate) as g:
+        proc = spawn_esbatch("sweep", str(path))
+        g.arrivals(1)
+        p = run_esbatch("cancel", str(path))
+        assert p.returncode == 0 and "cancelled 1 queued or running run(s)" in p.stdout, p.stdout + p.stderr
+        g.release(stopped=True)
+        out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 130, out[-2000:]
     status = run_esbatch("status", str(sd)).stdout
     assert "1 killed, 2 pending" in status, status
+    assert sorted(logged(r) for r in (sd / "runs").iterdir()) == [2]  # update 0, and update 1 it was in

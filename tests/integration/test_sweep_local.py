@@ -1,23 +1,25 @@
-"""`esbatch sweep` with the local launcher (the README's main job, on the tiny model): run, Ctrl-C, resume."""
+"""`esbatch sweep` with the local launcher (the README's main job, on the tiny model): run, Ctrl-C, resume.
+
+The Ctrl-C lands inside update 2 of the first run by construction: its scorer waits at a gate (tests/gate.py)."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
+from gate import Gate, gate_path
 from mlflow.tracking import MlflowClient
-from toy import toy_config
+from toy import gated, toy_config
 
 ROOT = Path(__file__).resolve().parents[2]
-UPDATES = 30  # a tiny-model update takes ~25 ms: enough of them that Ctrl-C lands mid-run
+UPDATES = 4
 
 
-def write_sweep(tmp: Path, model_dir: Path) -> Path:
-    base = toy_config(model_dir, es_updates=UPDATES, eval={"every": 3}, checkpoint={"every": 2})
+def write_sweep(tmp: Path, model_dir: Path, gate: str = "") -> Path:
+    base = gated(toy_config(model_dir, es_updates=UPDATES, eval={"every": 3}, checkpoint={"every": 2}), gate, 2)
     (tmp / "base.yaml").write_text(yaml.safe_dump(base))
     sweep = {
         "name": "loc",
@@ -54,29 +56,25 @@ def test_dry_run_submits_nothing(tmp_path, tiny_model_dir):
 
 
 def test_interrupted_local_sweep_resumes_without_duplicates(tmp_path, tiny_model_dir):
-    path = write_sweep(tmp_path, tiny_model_dir)
+    gate = gate_path()
+    path = write_sweep(tmp_path, tiny_model_dir, gate)
     sweep_dir = tmp_path / "out" / "loc"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "esbatch", "sweep", str(path)],
-        env=env(),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    meta_path = sweep_dir / "sweep.json"
-    t0 = time.time()
-    first = None
-    while time.time() - t0 < 300:
-        if meta_path.exists() and first is None:
-            first = json.loads(meta_path.read_text())["runs"][0]["key"]
-        log = sweep_dir / "runs" / str(first) / "log.jsonl"
-        if first and log.exists() and len(log.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)  # Ctrl-C: the launcher stops its task, which marks the run killed
-    out, _ = proc.communicate(timeout=120)
+    with Gate(gate) as g:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "esbatch", "sweep", str(path)],
+            env=env(),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        g.arrivals(1)  # the first run is inside update 2, updates 0 and 1 logged and checkpointed
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: the launcher stops its task, which marks the run killed
+        g.release(stopped=True)  # the task goes on once the launcher has passed the stop on
+        out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 130, out
+    first = json.loads((sweep_dir / "sweep.json").read_text())["runs"][0]["key"]
+    assert (sweep_dir / "runs" / first / "log.jsonl").read_text().count("\n") == 3, out  # it finished update 2
     assert "run `esbatch sweep` again" in out
     status = run_cli("status", str(sweep_dir)).stdout
     assert "killed" in status and "pending" in status, status

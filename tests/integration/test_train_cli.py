@@ -1,23 +1,27 @@
-"""`esbatch train` end to end on a tiny random model: MLflow contents, and resume after SIGKILL is bit-exact."""
+"""`esbatch train` end to end on a tiny random model: MLflow contents, and resume after SIGKILL is bit-exact.
+
+Kills and signals land inside a chosen update by construction: the run's scorer waits at a gate (tests/gate.py)
+on the first scoring call of that update until the test has acted."""
 
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from gate import Gate
 from safetensors.torch import load_file
-from toy import toy_config
+from toy import gated, toy_config
 
 ROOT = Path(__file__).resolve().parents[2]
 UPDATES = 6
 
 
-def write_config(tmp: Path, model_dir: Path, name: str) -> Path:
+def write_config(tmp: Path, model_dir: Path, name: str, gate: str = "", at_update: int = 0) -> Path:
+    """The run every test trains; with ``gate``, its scorer waits there inside update ``at_update``."""
     cfg = toy_config(
         model_dir,
         es_updates=UPDATES,
@@ -26,6 +30,8 @@ def write_config(tmp: Path, model_dir: Path, name: str) -> Path:
         checkpoint={"every": 2},
         tracking={"experiment": "tests"},
     )
+    if gate:
+        cfg = gated(cfg, gate, at_update)
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -114,25 +120,25 @@ def test_rerun_without_resume_refuses_to_clobber(reference, tiny_model_dir):
     assert p.returncode == 2 and "--resume" in out
 
 
+def killed_inside(p: subprocess.Popen, g: Gate, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` once the run waits at the gate, then let it go on (a SIGKILLed one is gone)."""
+    g.arrivals(1)
+    p.send_signal(sig)
+    g.release(stopped=sig != signal.SIGKILL)
+
+
 @pytest.mark.parametrize("kill_after", [0, 1, 3])
 def test_sigkill_then_resume_gives_bit_identical_center(reference, tmp_path, tiny_model_dir, kill_after):
     _, ref_dir, _ = reference
     name = "victim"
-    p = esbatch("train", str(write_config(tmp_path, tiny_model_dir, name)))
+    with Gate() as g:
+        p = esbatch("train", str(write_config(tmp_path, tiny_model_dir, name, g.path, kill_after)))
+        killed_inside(p, g)
+        p.wait()
     run_dir = tmp_path / "runs" / name
     log = run_dir / "log.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and p.poll() is None:
-        lines = log.read_text().count("\n") if log.exists() else 0
-        started = (run_dir / "run.json").exists()
-        if (kill_after == 0 and started) or (kill_after and lines >= kill_after):
-            break
-        time.sleep(0.02)
-    assert p.poll() is None, "run ended before it could be killed"
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    lines = log.read_text().count("\n") if log.exists() else 0
-    assert lines < UPDATES
+    assert (run_dir / "run.json").exists() and p.returncode == -signal.SIGKILL
+    assert (log.read_text().count("\n") if log.exists() else 0) == kill_after  # killed inside update kill_after
     finish(esbatch("train", "--resume", str(run_dir)))
     ref, got = center(ref_dir), center(run_dir)
     assert ref.keys() == got.keys()
@@ -146,12 +152,11 @@ def test_sigkill_then_resume_gives_bit_identical_center(reference, tmp_path, tin
 def test_resumed_run_is_one_mlflow_run_with_each_step_once(tmp_path, tiny_model_dir):
     from mlflow.tracking import MlflowClient
 
-    p = esbatch("train", str(write_config(tmp_path, tiny_model_dir, "once")))
-    log = tmp_path / "runs" / "once" / "log.jsonl"
-    while p.poll() is None and not (log.exists() and log.read_text().count("\n") >= 2):
-        time.sleep(0.02)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
+    with Gate() as g:
+        p = esbatch("train", str(write_config(tmp_path, tiny_model_dir, "once", g.path, 2)))
+        killed_inside(p, g)
+        p.wait()
+    assert (tmp_path / "runs" / "once" / "log.jsonl").read_text().count("\n") == 2
     finish(esbatch("train", "--resume", str(tmp_path / "runs" / "once")))
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
@@ -163,14 +168,14 @@ def test_resumed_run_is_one_mlflow_run_with_each_step_once(tmp_path, tiny_model_
 def test_sigterm_marks_the_run_killed_and_resume_may_extend_the_budget(tmp_path, tiny_model_dir):
     from mlflow.tracking import MlflowClient
 
-    p = esbatch("train", str(write_config(tmp_path, tiny_model_dir, "term")))
+    with Gate() as g:
+        p = esbatch("train", str(write_config(tmp_path, tiny_model_dir, "term", g.path, 1)))
+        killed_inside(p, g, signal.SIGTERM)
+        out, _ = p.communicate(timeout=300)
     run_dir = tmp_path / "runs" / "term"
     log = run_dir / "log.jsonl"
-    while p.poll() is None and not (log.exists() and log.read_text().count("\n") >= 1):
-        time.sleep(0.02)
-    p.send_signal(signal.SIGTERM)
-    out, _ = p.communicate(timeout=120)
     assert p.returncode == 130 and f"esbatch train --resume {run_dir}" in out
+    assert log.read_text().count("\n") == 2  # the update it was in finished, then it stopped
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     assert run.info.status == "KILLED"
