@@ -26,13 +26,24 @@ __all__ = ["EXIT_HUNG", "Watchdog", "before_exit", "forget", "waiting_on"]
 
 
 class Watchdog:
-    """One deadline at a time; ``phase`` arms it, leaving the phase disarms it."""
+    """One deadline at a time; ``phase`` arms it, leaving the phase disarms it.
 
-    def __init__(self, limit_s: float, on_hang: Callable[[str, float], None] | None = None) -> None:
+    ``clock``: seconds, read for the deadlines (time.monotonic; a test passes a fake one, advances it by hand and
+    calls ``poke``, so nothing depends on how fast threads run).
+    """
+
+    def __init__(
+        self,
+        limit_s: float,
+        on_hang: Callable[[str, float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.limit_s = limit_s
         self.on_hang = on_hang or _exit_hung
+        self._clock = clock
         self._what: str | None = None
         self._deadline = float("inf")
+        self._looks = 0  # times the watch thread has compared the phase's deadline with the clock
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._watch, name="esbatch-watchdog", daemon=True)
         self._thread.start()
@@ -41,23 +52,34 @@ class Watchdog:
     def phase(self, what: str) -> Iterator[None]:
         with self._cond:
             outer = (self._what, self._deadline)  # phases nest: the innermost deadline counts while it lasts
-            self._what, self._deadline = what, time.monotonic() + self.limit_s
-            self._cond.notify()
+            self._what, self._deadline = what, self._clock() + self.limit_s
+            self._cond.notify_all()  # all: a test's poke may wait on the condition too
         try:
             yield
         finally:
             with self._cond:
                 self._what, self._deadline = outer
-                self._cond.notify()
+                self._cond.notify_all()
+
+    def poke(self, timeout: float | None = None) -> bool:
+        """Wake the watch thread and return once it has looked at the current phase and clock (and called
+        ``on_hang`` if the phase is past its deadline); False if it did not look within ``timeout`` seconds.
+        For tests that drive ``clock`` by hand: after ``poke`` they know what the watchdog saw."""
+        with self._cond:
+            seen = self._looks
+            self._cond.notify_all()
+            return self._cond.wait_for(lambda: self._looks > seen, timeout)
 
     def _watch(self) -> None:
         with self._cond:
             while True:
-                left = self._deadline - time.monotonic()
+                left = self._deadline - self._clock()
                 if left <= 0 and self._what is not None:
                     self.on_hang(self._what, self.limit_s)
                     self._deadline = float("inf")  # on_hang returned (tests): wait for the next phase
                     continue
+                self._looks += 1
+                self._cond.notify_all()  # a poke waiting for this look
                 self._cond.wait(timeout=None if left == float("inf") else max(left, 0.01))
 
 
