@@ -10,8 +10,8 @@ import threading
 from pathlib import Path
 
 from esbatch.tasks.base import Example, Task, disjoint_splits
-from esbatch.train import stop
 from esbatch.tasks.verify import Verdict
+from esbatch.train import stop
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -154,11 +154,13 @@ class GatedDigitTask(DigitTask):
     """DigitTask whose scorer waits once at a test's gate (tests/gate.py): on rank ``rank``, at the first response
     to the ``after_examples + 1``-th distinct problem the process scores, so it is inside the update (or eval
     chunk) that brings that problem (``examples_before``). Scores as DigitTask, so a gated run ends on the center
-    of an ungated one."""
+    of an ungated one. ``argv``: only in a process whose command line has an argument containing it (a pipeline's
+    stage, e.g. "stage2-grpo")."""
 
-    def __init__(self, data_path=None, *, size=40, gate="", after_examples=0, rank="0"):
+    def __init__(self, data_path=None, *, size=40, gate="", after_examples=0, rank="0", argv=""):
         super().__init__(data_path, size=size)
         self.gate, self.after, self.rank = gate, int(after_examples), str(rank)
+        self.here = not argv or any(argv in a for a in sys.argv)
         self.seen: set[str] = set()
         self._lock = threading.Lock()
 
@@ -167,7 +169,7 @@ class GatedDigitTask(DigitTask):
             new = ex.question not in self.seen
             self.seen.add(ex.question)
             due = new and len(self.seen) == self.after + 1
-        if due and os.environ.get("RANK", "0") == self.rank:
+        if due and self.here and os.environ.get("RANK", "0") == self.rank:
             from gate import wait_at
 
             if wait_at(self.gate, str(os.getpid())) == "stop" and not stop.STOP.wait(600):
@@ -175,19 +177,20 @@ class GatedDigitTask(DigitTask):
         return super().score(response, ex)
 
 
-def examples_before(cfg: dict, update: int) -> int:
-    """Distinct problems a run of ``cfg`` (a toy config) has scored before update ``update`` brings its first new
-    one: the held-out problems (evaluated first), then B new training problems per update (within the first pass
-    over the training set). The same for ES and GRPO and any population or group size."""
+def examples_before(cfg: dict, update: int, rank: int = 0) -> int:
+    """Distinct problems a run of ``cfg`` (a toy config) has scored on ``rank`` before update ``update`` brings
+    its first new one: the held-out problems (evaluated first, on rank 0 only), then B new training problems per
+    update (within the first pass over the training set). The same for ES and GRPO and any population or group
+    size, and for every rank (each scores its members on all B prompts)."""
     algo = cfg.get("algorithm", "es")
     b = cfg[algo if algo in ("es", "grpo") else "es"]["batch_size"]
     assert update * b <= cfg["task"]["params"]["size"], "the gate counts problems within the first epoch"
-    return cfg["task"].get("heldout_size", 0) + update * b
+    return (cfg["task"].get("heldout_size", 0) if rank == 0 else 0) + update * b
 
 
 def gated(cfg: dict, gate: str, update: int, rank: int = 0) -> dict:
     """``cfg`` (a toy config) with its task waiting at ``gate`` inside update ``update`` on rank ``rank``."""
-    params = {**cfg["task"].get("params", {}), "gate": gate, "after_examples": examples_before(cfg, update)}
+    params = {**cfg["task"].get("params", {}), "gate": gate, "after_examples": examples_before(cfg, update, rank)}
     return {**cfg, "task": {**cfg["task"], "name": "toy:GatedDigitTask", "params": {**params, "rank": str(rank)}}}
 
 

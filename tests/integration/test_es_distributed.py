@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from gate import Gate
 from test_train_cli import center, esbatch, finish, write_config  # noqa: F401 - shared CLI helpers
 
 from esbatch.tracking import MLflowTracker
@@ -61,44 +61,20 @@ def test_two_ranks_taking_members_from_the_store_give_the_single_process_center_
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["es"]["dispatch"] == "dynamic"
 
 
-def _pids_of_rank(tag: str, rank: int) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            env = (d / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"ESBATCH_TEST_TAG={tag}".encode() in env and f"RANK={rank}".encode() in env:
-            pids.append(int(d.name))
-    return pids
-
-
 def test_a_dead_rank_fails_the_run_loudly_and_it_resumes_bit_exact(single, tmp_path, tiny_model_dir):
-    cfg = str(write_config(tmp_path, tiny_model_dir, "victim"))
-    tag = f"dist-{os.getpid()}-{time.time()}"
-    os.environ["ESBATCH_TEST_TAG"] = tag  # inherited by torchrun's ranks: lets the test find rank 1
-    try:
-        p = esbatch("train", cfg, "--set", "run.nproc_per_node=2")
-    finally:
-        del os.environ["ESBATCH_TEST_TAG"]
+    """Rank 1 waits at the gate inside update 2 (its pid is its tag) and is killed there; rank 0 is then waiting
+    for it in the update's reward exchange."""
+    with Gate() as g:
+        cfg = write_config(tmp_path, tiny_model_dir, "victim", g.path, 2, rank=1)
+        p = esbatch("train", str(cfg), "--set", "run.nproc_per_node=2")
+        (victim,) = g.arrivals(1)
+        os.kill(int(victim), signal.SIGKILL)
     run_dir = tmp_path / "runs" / "victim"
     log = run_dir / "log.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and p.poll() is None:
-        if log.exists() and log.read_text().count("\n") >= 2:
-            break
-        time.sleep(0.05)
-    victims = _pids_of_rank(tag, 1)
-    assert p.poll() is None and victims, "the run ended (or rank 1 vanished) before it could be killed"
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
     out, _ = p.communicate(timeout=300)
     assert p.returncode != 0, out
     assert "a rank failed" in out
-    done = log.read_text().count("\n")
-    assert done < UPDATES
+    assert log.read_text().count("\n") == 2  # updates 0 and 1; update 2 never finished
     status = yaml.safe_load((run_dir / "run.json").read_text())["status"]
     assert status in ("failed", "killed")
     finish(esbatch("train", "--resume", str(run_dir)))  # config.yaml keeps nproc_per_node: 2

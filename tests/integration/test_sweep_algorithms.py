@@ -3,10 +3,10 @@ submits nothing (their base config's es.updates differs from their own budget), 
 resumes its unfinished stage only. Through the local launcher; tests/slurm repeats this on SLURM."""
 
 import signal
-import time
 from pathlib import Path
 
 import yaml
+from gate import Gate
 from toy import run_esbatch, spawn_esbatch, toy_config
 
 
@@ -49,32 +49,31 @@ def test_a_grpo_sweep_finishes_and_is_not_resubmitted(tmp_path, tiny_model_dir):
 
 
 def test_a_half_done_pipeline_resumes_its_unfinished_stage(tmp_path, tiny_model_dir):
-    base(
-        tmp_path,
-        tiny_model_dir,
-        algorithm="pipeline",
-        pipeline={"stages": ["es", "grpo"], "updates": 10, "split": [1, 4]},
-    )
-    path = sweep_file(tmp_path, "p")
-    proc = spawn_esbatch("sweep", str(path))
-    runs = tmp_path / "out" / "p" / "runs"
-    deadline = time.time() + 600
-    stage2 = None
-    while time.time() < deadline and proc.poll() is None:
-        found = list(runs.glob("*/stage2-grpo/log.jsonl")) if runs.exists() else []
-        if found and found[0].read_bytes().count(b"\n") >= 1:
-            stage2 = found[0].parent
-            break
-        time.sleep(0.1)
-    assert stage2 is not None, "stage 2 never started"
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=300)
+    """The GRPO stage's scorer waits at the gate inside its update 1 (2 held-out problems, then 2 prompts per
+    update), where the Ctrl-C lands: stage 2 ends after that update, 4 of the pipeline's 10 done."""
+    with Gate() as g:
+        params = {"size": 16, "gate": g.path, "after_examples": 2 + 1 * 2, "argv": "stage2-grpo"}
+        base(
+            tmp_path,
+            tiny_model_dir,
+            algorithm="pipeline",
+            pipeline={"stages": ["es", "grpo"], "updates": 10, "split": [1, 4]},
+            task={"name": "toy:GatedDigitTask", "params": params, "heldout_size": 2, "few_shot": 1},
+        )
+        path = sweep_file(tmp_path, "p")
+        proc = spawn_esbatch("sweep", str(path))
+        g.arrivals(1)
+        proc.send_signal(signal.SIGINT)
+        g.release(stopped=True)  # stage 2 goes on once the stop has been passed down to it
+        out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 130, out[-3000:]
+    (stage2,) = (tmp_path / "out" / "p" / "runs").glob("*/stage2-grpo")
+    assert (stage2 / "log.jsonl").read_bytes().count(b"\n") == 2
     stage1_log = (stage2.parent / "stage1-es" / "log.jsonl").read_bytes()
     assert stage1_log.count(b"\n") == 2
     status = run_esbatch("status", str(tmp_path / "out" / "p")).stdout
     done = int(next(w for w in status.split() if w.endswith("/10")).split("/")[0])
-    assert "killed" in status and 3 <= done < 10, status
+    assert "killed" in status and done == 4, status
 
     p = run_esbatch("sweep", str(path), timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 UPDATES = 6
 
 
-def write_config(tmp: Path, model_dir: Path, name: str, gate: str = "", at_update: int = 0) -> Path:
-    """The run every test trains; with ``gate``, its scorer waits there inside update ``at_update``."""
+def write_config(tmp: Path, model_dir: Path, name: str, gate: str = "", at_update: int = 0, rank: int = 0) -> Path:
+    """The run every test trains; with ``gate``, its scorer on ``rank`` waits there inside update ``at_update``."""
     cfg = toy_config(
         model_dir,
         es_updates=UPDATES,
@@ -31,7 +31,7 @@ def write_config(tmp: Path, model_dir: Path, name: str, gate: str = "", at_updat
         tracking={"experiment": "tests"},
     )
     if gate:
-        cfg = gated(cfg, gate, at_update)
+        cfg = gated(cfg, gate, at_update, rank)
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
