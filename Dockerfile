@@ -8,7 +8,8 @@
 # TORCH_VERSION, and passing a folder holding the CPU torch wheel as PIP_FIND_LINKS (docs/containers.md).
 #
 # Every pinned version lives in the ARGs below, and only there. apptainer.def installs the same pins from the
-# same base image; tests/unit/test_containers.py checks that the two files agree and runs hadolint on this one.
+# same base image; tests/unit/test_containers.py checks that the two files agree and
+# tests/integration/test_containers_hadolint.py runs hadolint on this one.
 #
 # Why these versions go together (read from the packages' own metadata on PyPI):
 #   vllm 0.33.0 requires torch==2.14.0 (and torchvision==0.29.0, transformers>=5.16.1,<5.21);

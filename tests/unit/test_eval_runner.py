@@ -149,9 +149,16 @@ def test_pareto_front_and_eval_plots(tmp_path, tiny_model_dir):
     assert main(["eval-plot", str(tmp_path), "--kind", "passk"]) == 2  # not an eval folder
 
 
-def test_the_paper_suite_runs_end_to_end_on_fixtures(tmp_path, tiny_model_dir):
-    """Every eval task through the runner (tiny model: mostly unanswered, which must score as such)."""
+def test_the_paper_suite_runs_end_to_end_on_fixtures(tmp_path, tiny_model_dir, monkeypatch):
+    """Every eval task through the runner (tiny model: mostly unanswered, which must score as such; no response
+    holds code, so MBPP runs nothing in the sandbox, and its isolation probe, a program, is stood in for)."""
     from pathlib import Path
+
+    from mbpp_cases import ISOLATED
+
+    from esbatch.tasks import mbpp
+
+    monkeypatch.setattr(mbpp, "isolation_report", lambda: dict(ISOLATED))
 
     fx = Path(__file__).resolve().parents[1] / "fixtures"
     d = cfg_dict(tmp_path, tiny_model_dir, ks=[1, 2])

@@ -1,13 +1,12 @@
 """The GPU check's table (scripts/gpu_check.py, benchmarks/es_kernels.py) on the CPU with the tiny model: the
 bounds are the bytes each weight move must carry over the measured copy bandwidth, the ES memory row is judged
-against inference + fp32 master + workspace, and `--device cpu` runs the script's path end to end."""
+against inference + fp32 master + workspace. (`--device cpu` running the script's path end to end, in a process
+of its own, is tests/integration/test_gpu_check_script.py.)"""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -116,26 +115,3 @@ def test_memory_row_allows_inference_plus_master_plus_workspace():
     goal = 10_000_000 + 2 * 1000 + 600 * 3 + 16 * (1 << 20) * 4  # issue 15: inference + 2 B/param + workspace
     assert dataclasses.replace(rep, peak_es_host=goal).target_row().status == "ok"
     assert dataclasses.replace(rep, peak_es_host=goal + 1).target_row().failed
-
-
-def run_check(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path and the no-CUDA exit")
-def test_gpu_check_on_cpu_prints_one_table_and_exits_2_without_cuda(tiny_model_dir):
-    p = run_check("--device", "cpu", "--model", str(tiny_model_dir))
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    final = p.stdout.split("## GPU check")[1]
-    table = [line for line in final.splitlines() if line.startswith("|")]
-    assert table[0] == "| quantity | measured | bound / reference | ratio | ok |"
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
-    assert len(rows) == 12 and all(len(r) == 5 for r in rows)
-    status = {r[0].split(" (")[0].split(",")[0]: r[4] for r in rows}
-    assert status["ES noise"] == "n/a: no CUDA"
-    assert status["perturb"] == status["update"] == "info"
-    assert status["peak memory"].startswith("n/a: cpu")
-    assert "gpu check passed" in p.stdout
-    assert run_check("--model", str(tiny_model_dir)).returncode == 2  # default --device cuda, no GPU here

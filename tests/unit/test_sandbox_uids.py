@@ -1,56 +1,26 @@
-"""uid blocks for root evaluators: two evaluators on one machine (or a forked copy) never share a uid."""
+"""uid blocks for root evaluators: the lock folder that keeps two evaluators from sharing a uid. (That two
+evaluators, or a forked copy, get disjoint blocks starts processes: tests/integration/test_sandbox_uid_leases.py.)"""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from esbatch.sandbox import _uids
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="uid blocks are taken by root evaluators only")
-
-HOLD = "from esbatch.sandbox._uids import uid_block\nb = uid_block()\nprint(b.start, flush=True)\ninput()"
-
-
-def test_concurrent_evaluators_get_disjoint_blocks():
-    mine = _uids.uid_block()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    others = [subprocess.Popen([sys.executable, "-c", HOLD], env=env, **pipes) for _ in range(2)]
-    try:
-        starts = [int(p.stdout.readline()) for p in others]
-    finally:
-        for p in others:
-            p.communicate("\n", timeout=30)
-    assert len({mine.start, *starts}) == 3, (mine, starts)
-    assert all(s % _uids.UIDS_PER_BLOCK == 0 for s in [mine.start, *starts])
-    assert len(mine) == _uids.UIDS_PER_BLOCK
-
-
-def test_forked_evaluator_takes_its_own_block():
-    mine = _uids.uid_block()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.write(w, str(_uids.uid_block().start).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    child = int(os.read(r, 100))
-    os.waitpid(pid, 0)
-    os.close(r)
-    assert child != mine.start
-    assert _uids.uid_block() == mine, "the parent keeps its block after the child has gone"
 
 
 def test_lock_folder_is_root_owned_and_closed():
-    folder = _uids._lock_dir()
-    st = os.lstat(folder)
-    assert st.st_uid == 0 and not st.st_mode & 0o022
-    assert any(name.startswith("uids-") for name in os.listdir(folder))
+    # a block's lock taken here (not through uid_block(), which may start a process to clear a dead evaluator's
+    # leftovers), so the test does not depend on another test having taken one first
+    fd, first = _uids._take_block()
+    try:
+        folder = _uids._lock_dir()
+        st = os.lstat(folder)
+        assert st.st_uid == 0 and not st.st_mode & 0o022
+        assert any(name.startswith("uids-") for name in os.listdir(folder))
+        assert f"uids-{first}-{first + _uids.UIDS_PER_BLOCK - 1}" in os.listdir(folder)
+    finally:
+        os.close(fd)  # the lock goes with it

@@ -1,8 +1,7 @@
-"""Truth tables for the evaluation verifiers: math-verify equivalence (with its off-main-thread time limit),
-multiple-choice letters, HotpotQA EM/F1, and Countdown."""
+"""Truth tables for the evaluation verifiers: math-verify equivalence, multiple-choice letters, HotpotQA EM/F1,
+and Countdown. (math-verify's off-main-thread time limit kills the worker that runs over it, so the next check
+starts a new one: those tests are in tests/integration/test_verify_math_timeouts.py.)"""
 
-import threading
-import time
 from fractions import Fraction
 
 import pytest
@@ -11,18 +10,12 @@ from esbatch.tasks.choice import check_choice, choice_letter
 from esbatch.tasks.hotpotqa import check_hotpot, hotpot_em, hotpot_f1, hotpot_normalize
 from esbatch.tasks.verify import Verdict, check_countdown
 from esbatch.tasks.verify_math import (
-    Match,
     check_boxed_math,
-    compare_math,
     math_answer_key,
-    math_equal,
     plain_number,
-    start_workers,
-    timeout_count,
 )
 
 C, W, M = Verdict.CORRECT, Verdict.WRONG, Verdict.MISSING
-SLOW = r"9^{9^{9^{9}}}"  # sympy tries to evaluate this tower and never finishes
 
 
 # ----------------------------------------------------------------------------- math
@@ -85,42 +78,6 @@ def test_plain_number_fast_path_refuses_variables():
     assert plain_number("3x") is None and plain_number("5 m") is None and plain_number(r"\sqrt{2}") is None
 
 
-def test_pathological_expression_times_out_as_not_equal():
-    start_workers(1)
-    before = timeout_count()
-    t0 = time.monotonic()
-    assert compare_math(SLOW, "1", timeout_s=1.0) is Match.TIMEOUT
-    assert time.monotonic() - t0 < 2.5
-    assert timeout_count() == before + 1
-    t0 = time.monotonic()
-    assert check_boxed_math(rf"\boxed{{{SLOW}}}", "1", timeout_s=1.0) is W
-    assert time.monotonic() - t0 < 0.5 and timeout_count() == before + 1  # the timeout is memoized
-    assert math_equal(r"\sqrt{2}/2", r"\frac{\sqrt2}{2}")  # the pool recovers after a worker was killed
-
-
-def test_math_equal_from_four_threads_honours_the_timeout():
-    start_workers(4)
-    results: dict[int, tuple[bool, bool, float]] = {}
-
-    def work(i: int) -> None:
-        t0 = time.monotonic()
-        slow = math_equal(rf"9^{{9^{{9^{{{9 - i}}}}}}}", str(i + 2), timeout_s=1.0)  # fresh pairs: no memo
-        elapsed = time.monotonic() - t0
-        fast = math_equal(r"\dfrac{\sqrt{2}}{2}", rf"\frac{{\sqrt{{2}}}}{{2}}+{i}-{i}", timeout_s=10.0)
-        results[i] = (slow, fast, elapsed)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert sorted(results) == [0, 1, 2, 3]
-    assert all(slow is False and fast is True for slow, fast, _ in results.values()), results
-    assert max(e for _, _, e in results.values()) < 2.5, results  # the four waits overlap
-    assert time.monotonic() - t0 < 20
-
-
 @pytest.mark.parametrize(
     "responses, key",
     [
@@ -143,9 +100,7 @@ def test_answer_key_edge_cases():
     assert math_answer_key(r"\boxed{3} then \boxed{4}") == "4"
     # not unified (would need simplification): documented
     assert math_answer_key(r"\boxed{(x+1)^2}") != math_answer_key(r"\boxed{x^2+2x+1}")
-    t0 = time.monotonic()
-    assert math_answer_key(rf"\boxed{{{SLOW}}}", timeout_s=1.0) == SLOW  # falls back to the raw text
-    assert time.monotonic() - t0 < 5
+    # an answer whose key runs out of time falls back to its text: tests/integration/test_verify_math_timeouts.py
 
 
 # ----------------------------------------------------------------------------- multiple choice

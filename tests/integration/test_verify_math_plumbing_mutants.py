@@ -11,10 +11,14 @@ worker that died is reaped and replaced. Start-up failures are reported and reap
 
 Besides real workers (sympy and math-verify imported, a few seconds each), most tests use stand-in workers:
 a ``sitecustomize`` on the worker's ``PYTHONPATH`` that, by ``ESBATCH_TEST_WORKER_MODE``, exits, hangs, says
-something other than "ready", splits its reply over two writes, sends two replies in one write, or says "ready"
-and then never answers (the
-cheap way to get a timeout). Anything that could hang runs in a thread with a time limit, so a broken build
-fails here in seconds rather than hanging. Reads worker state from /proc (Linux).
+something other than "ready", splits its reply over two writes (the second once the test has read the first),
+sends two replies in one write, or says "ready" and then never answers (the cheap way to get a timeout).
+
+Nothing is timed. Where a limit must run out (a worker that never answers), a stand-in clock and ``select`` take
+the place of verify_math's: the wait runs out at once, and the test reads how long the code asked to wait; where
+a reply must come in time, the same stand-ins wait for it however long it takes. Anything that could hang runs
+in a thread with a safety limit (minutes), so a broken build fails rather than hanging. Reads worker state from
+/proc (Linux).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -39,6 +44,11 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/limits").exists(), reason="
 #: The directory holding the esbatch package that this process imported (what a worker must import too).
 ROOT = str(Path(verify_math.__file__).resolve().parents[2])
 SERVE = "from esbatch.tasks.verify_math import _serve; _serve()"
+#: A safety limit, not an expectation: how long a call may take before the test fails instead of hanging, and the
+#: time limit given to real workers for their start and their replies (each takes well under a second, a few
+#: seconds on a busy machine). Minutes, so no load reaches it.
+SAFETY_S = 300.0
+REPLY_S = 120.0
 
 SITECUSTOMIZE = """
 import os, sys, time
@@ -51,9 +61,9 @@ elif mode == "hang":  # never says anything
 elif mode == "hello":  # says the wrong thing
     os.write(1, b'"hello"\\n')
     time.sleep(30)
-elif mode == "split":  # says "ready" in two writes
+elif mode == "split":  # says "ready" in two writes, the second once the test has read the first
     os.write(1, b'"rea')
-    time.sleep(0.5)
+    sys.stdin.readline()  # the test writes a line when it has read '"rea'
     os.write(1, b'dy"\\n')
     time.sleep(30)
 elif mode == "two":  # says "ready" and a second reply in one write
@@ -76,7 +86,8 @@ elif mode == "noisy":  # a library that prints to stdout while the worker handle
 
 
 def within(limit_s: float, fn, *args):
-    """``fn(*args)``, failing the test if it has not returned after ``limit_s`` seconds (instead of hanging)."""
+    """``fn(*args)``, failing the test if it has not returned after ``limit_s`` seconds (instead of hanging): a
+    safety limit, see SAFETY_S."""
     out: dict = {}
 
     def run() -> None:
@@ -122,9 +133,9 @@ def pool(monkeypatch):
     """A private, empty pool of idle workers (at most 2), shut down afterwards."""
     monkeypatch.setattr(verify_math, "_idle", [])
     monkeypatch.setattr(verify_math, "MAX_IDLE_WORKERS", 2)
-    monkeypatch.setattr(verify_math, "WORKER_STARTUP_TIMEOUT_S", 30.0)
+    monkeypatch.setattr(verify_math, "WORKER_STARTUP_TIMEOUT_S", REPLY_S)
     yield verify_math._idle
-    within(30, shutdown_workers)
+    within(SAFETY_S, shutdown_workers)
 
 
 @pytest.fixture()
@@ -154,30 +165,63 @@ def popens(monkeypatch):
     return procs
 
 
+class Clock:
+    """verify_math's clock and ``select()`` for one test: time moves only when a wait runs out, and ``waits`` are
+    the waits the code asked for. ``replies=False``: every wait runs out at once, nothing arrives (a worker that
+    never answers, without waiting for it). ``replies=True``: wait for the worker's real reply, however long it
+    takes (no limit can run out on a busy machine)."""
+
+    def __init__(self, replies: bool) -> None:
+        self.now, self.replies, self.waits = 0.0, replies, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def select(self, rlist, wlist, xlist, timeout):
+        self.waits.append(timeout)
+        if self.replies:
+            return select.select(rlist, wlist, xlist)  # no timeout: until the reply is there
+        self.now += timeout
+        return [], [], []
+
+
+@pytest.fixture()
+def clock(monkeypatch):
+    """Installs a Clock in verify_math (start real workers before: their "ready" is read with the real clock)."""
+
+    def install(replies: bool) -> Clock:
+        c = Clock(replies)
+        monkeypatch.setattr(verify_math, "time", SimpleNamespace(monotonic=c.monotonic))
+        monkeypatch.setattr(verify_math, "select", SimpleNamespace(select=c.select))
+        return c
+
+    return install
+
+
 # ----------------------------------------------------------------------------- start_workers / shutdown_workers
 
 
 def test_start_workers_keeps_n_idle_workers_and_shutdown_leaves_no_process(pool, stand_in):
     stand_in("mute")  # cheap workers: only "ready" is needed here
-    within(30, start_workers, 1)
+    within(SAFETY_S, start_workers, 1)
     assert len(pool) == 1
     first = pool[0]
-    within(30, start_workers, 1)  # already there: nothing started
+    within(SAFETY_S, start_workers, 1)  # already there: nothing started
     assert pool == [first]
-    within(30, start_workers, 0)
+    within(SAFETY_S, start_workers, 0)
     assert pool == [first]
-    within(30, start_workers, 2)
+    within(SAFETY_S, start_workers, 2)
     assert len(pool) == 2 and pool[0] is first
-    within(30, start_workers, 5)  # capped at MAX_IDLE_WORKERS
+    within(SAFETY_S, start_workers, 5)  # capped at MAX_IDLE_WORKERS
     assert len(pool) == 2
     workers = list(pool)
     assert len({w.proc.pid for w in workers}) == 2
     assert all(exists(w.proc.pid) and w.proc.poll() is None for w in workers)
-    within(30, shutdown_workers)
+    within(SAFETY_S, shutdown_workers)
     assert pool == []
     assert all(reaped(w) for w in workers)
     assert all(w.proc.returncode == -signal.SIGKILL for w in workers)
-    within(30, shutdown_workers)  # nothing left to stop
+    within(SAFETY_S, shutdown_workers)  # nothing left to stop
     assert pool == []
 
 
@@ -187,14 +231,14 @@ def test_start_workers_keeps_n_idle_workers_and_shutdown_leaves_no_process(pool,
 def test_worker_imports_this_esbatch_under_its_memory_cap(pool, monkeypatch):
     monkeypatch.delenv("PYTHONPATH", raising=False)
     monkeypatch.setattr(verify_math, "WORKER_MEMORY_LIMIT_BYTES", 3 << 30)
-    w = within(60, verify_math._Worker)
+    w = within(SAFETY_S, verify_math._Worker)
     env = environ(w.proc.pid)
     assert env["PYTHONPATH"] == ROOT
     assert env["ESBATCH_MATH_WORKER_MEMORY"] == str(3 << 30)
     assert address_space_limit(w.proc.pid) == (3 << 30, 3 << 30)
     w.send("equal", (r"\sqrt{4}", "2"))
-    assert within(60, w.recv, 30.0) is True
-    within(30, w.kill)
+    assert within(SAFETY_S, w.recv, REPLY_S) is True
+    within(SAFETY_S, w.kill)
     assert reaped(w) and w.proc.returncode == -signal.SIGKILL
 
 
@@ -217,7 +261,7 @@ def test_serve_protocol_one_json_reply_per_line():
     env["PYTHONPATH"] = ROOT
     p = subprocess.Popen([sys.executable, "-c", SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     try:
-        assert _read_line(p, 30) == b'"ready"\n'
+        assert _read_line(p, SAFETY_S) == b'"ready"\n'
         assert address_space_limit(p.pid) == (4 << 30, 4 << 30) == (verify_math.WORKER_MEMORY_LIMIT_BYTES,) * 2
         requests = [
             ({"op": "equal", "args": [r"\sqrt{4}", "2"]}, b"true\n"),
@@ -229,12 +273,12 @@ def test_serve_protocol_one_json_reply_per_line():
         for req, reply in requests:
             p.stdin.write(json.dumps(req).encode() + b"\n")
             p.stdin.flush()
-            assert _read_line(p, 30) == reply, req
+            assert _read_line(p, SAFETY_S) == reply, req
         p.stdin.write(b"not json\n")
         p.stdin.flush()
-        assert _read_line(p, 30) == b"null\n"
+        assert _read_line(p, SAFETY_S) == b"null\n"
         p.stdin.close()
-        assert p.wait(30) == 0  # the end of its input ends the worker
+        assert p.wait(SAFETY_S) == 0  # the end of its input ends the worker
         assert p.stdout.read() == b""  # and nothing else was written
     finally:
         if p.poll() is None:
@@ -245,12 +289,12 @@ def test_serve_protocol_one_json_reply_per_line():
 
 def test_worker_stdout_carries_only_replies(pool, stand_in, capfd):
     stand_in("noisy")
-    w = within(60, verify_math._Worker)
+    w = within(SAFETY_S, verify_math._Worker)
     assert environ(w.proc.pid)["PYTHONPATH"] == os.pathsep.join([ROOT, os.environ["PYTHONPATH"]])
     for args, reply in [((r"\sqrt{4}", "2"), True), ((r"\sqrt{4}", "3"), False), ((r"\sqrt{4}", r"\sqrt[3]{8}"), True)]:
         w.send("equal", args)
-        assert within(60, w.recv, 30.0) is reply
-    within(30, w.kill)
+        assert within(SAFETY_S, w.recv, REPLY_S) is reply
+    within(SAFETY_S, w.kill)
     err = capfd.readouterr().err
     assert err.count("noise from a library") == 3  # the prints went to stderr...
     assert "Timeout is disabled" not in err  # ...and math-verify's expected warning is muted
@@ -265,67 +309,89 @@ def test_worker_stdout_carries_only_replies(pool, stand_in, capfd):
     ],
 )
 def test_a_worker_that_fails_to_start_is_reported_and_reaped(
-    pool, stand_in, popens, monkeypatch, mode, message, returncode
+    pool, stand_in, popens, clock, monkeypatch, mode, message, returncode
 ):
     stand_in(mode)
-    monkeypatch.setattr(verify_math, "WORKER_STARTUP_TIMEOUT_S", 1.0)
-    t0 = time.monotonic()
+    monkeypatch.setattr(verify_math, "WORKER_STARTUP_TIMEOUT_S", 1.0 if mode == "hang" else REPLY_S)
+    # "hang" never says anything: its start-up limit runs out at once on the stand-in clock. The others answer
+    # (exit, a wrong word) on the real clock, with a start-up limit no busy machine reaches.
+    waits = clock(replies=False).waits if mode == "hang" else None
     with pytest.raises(RuntimeError) as e:
-        within(30, verify_math._Worker)
+        within(SAFETY_S, verify_math._Worker)
     assert str(e.value) == message
-    assert time.monotonic() - t0 < 10
-    [p] = popens
+    if waits is not None:
+        assert waits == [1.0]  # it waited WORKER_STARTUP_TIMEOUT_S for "ready", and no longer
+    [p] = popens  # killed (or exited 3) rather than waited for: its stand-in sleeps 30 s and would exit 0
     assert p.returncode == returncode and not exists(p.pid)
     assert p.stdin.closed and p.stdout.closed
 
 
-def test_a_reply_split_over_two_writes_is_put_back_together(pool, stand_in):
+def test_a_reply_split_over_two_writes_is_put_back_together(pool, stand_in, popens, monkeypatch):
     stand_in("split")
-    w = within(30, verify_math._Worker)  # read "rea, then dy"\n half a second later
-    within(30, w.kill)
+    reads: list[bytes] = []
+
+    class ReadingOs:
+        """verify_math's ``os``, recording each read; on reading '"rea' it lets the stand-in write the rest."""
+
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        def read(self, fd: int, n: int) -> bytes:
+            reads.append(os.read(fd, n))
+            if reads[-1] == b'"rea':
+                popens[-1].stdin.write(b"go\n")
+            return reads[-1]
+
+    monkeypatch.setattr(verify_math, "os", ReadingOs())
+    w = within(SAFETY_S, verify_math._Worker)  # "ready" is read as '"rea', then 'dy"\n'
+    assert reads == [b'"rea', b'dy"\n']
+    within(SAFETY_S, w.kill)
     assert reaped(w)
 
 
 def test_two_replies_in_one_read_are_returned_one_at_a_time(pool, stand_in):
     stand_in("two")
-    w = within(30, verify_math._Worker)  # "ready" and "two words" arrive together
-    assert within(30, w.recv, 1.0) == "two words"  # kept for the next recv
+    w = within(SAFETY_S, verify_math._Worker)  # "ready" and "two words" arrive together
+    assert within(SAFETY_S, w.recv, 1.0) == "two words"  # kept for the next recv
     with pytest.raises(verify_math._Timeout):
-        within(30, w.recv, 0.2)
-    within(30, w.kill)
+        within(SAFETY_S, w.recv, 0.2)
+    within(SAFETY_S, w.kill)
     assert reaped(w)
 
 
 # ----------------------------------------------------------------------------- _call, timeouts, replacement
 
 
-def test_a_check_over_its_limit_times_out_is_counted_and_its_worker_killed(pool, stand_in):
+def test_a_check_over_its_limit_times_out_is_counted_and_its_worker_killed(pool, stand_in, clock):
     stand_in("mute")
     before = timeout_count()
+    within(SAFETY_S, start_workers, 2)  # on the real clock: they say "ready"
+    c = clock(replies=False)  # the mute workers' replies never come: each limit runs out at once
     for n, (op, args) in enumerate([("equal", ("9^{9^{9}}", "1")), ("key", ("9^{9^{9}}",))], start=1):
-        within(30, start_workers, 1)
-        [w] = pool
-        t0 = time.monotonic()
+        w = pool[-1]  # the next one checked out
         with pytest.raises(verify_math._Timeout):
-            within(10, verify_math._call, op, args, 0.5)
-        assert 0.5 <= time.monotonic() - t0 < 3.0
+            within(SAFETY_S, verify_math._call, op, args, 0.5)
+        assert c.waits == [0.5] * n  # it waited the caller's limit for the reply: no less, and no longer
         assert timeout_count() == before + n
-        assert pool == [] and reaped(w) and w.proc.returncode == -signal.SIGKILL
+        assert w not in pool and reaped(w) and w.proc.returncode == -signal.SIGKILL
+    assert pool == []
 
 
-def test_a_worker_that_died_is_reaped_and_replaced(pool, stand_in):
+def test_a_worker_that_died_is_reaped_and_replaced(pool, stand_in, clock):
     stand_in("mute")
-    within(30, start_workers, 1)
+    within(SAFETY_S, start_workers, 1)
     [dead] = pool
     os.kill(dead.proc.pid, signal.SIGKILL)  # e.g. the OOM killer
-    assert within(30, verify_math._call, "equal", (r"\sqrt{4}", "2"), 5.0) is None  # a failed check
+    assert within(SAFETY_S, verify_math._call, "equal", (r"\sqrt{4}", "2"), 5.0) is None  # a failed check
     assert pool == [] and reaped(dead)
     before = timeout_count()
     stand_in("")  # real workers from here on
-    assert within(60, verify_math._call, "equal", (r"\sqrt{4}", "2"), 30.0) is True
+    assert within(SAFETY_S, verify_math._call, "equal", (r"\sqrt{4}", "2"), REPLY_S) is True
     [w] = pool  # a new worker, kept for the next call
     assert w is not dead and exists(w.proc.pid)
-    assert within(30, verify_math._call, "nope", (), 0.9) is None  # well within 0.9 s: no timeout
-    assert within(30, verify_math._call, "equal", (r"\sqrt{4}", "3"), 5.0) is False
+    c = clock(replies=True)  # the reply is waited for however long it takes: only a wrong deadline times out
+    assert within(SAFETY_S, verify_math._call, "nope", (), 0.9) is None  # a sub-second limit: no timeout
+    assert c.waits == [0.9]  # the wait asked for is the limit itself
+    assert within(SAFETY_S, verify_math._call, "equal", (r"\sqrt{4}", "3"), REPLY_S) is False
     assert pool == [w] and w.proc.poll() is None  # the same worker answered all three
     assert timeout_count() == before

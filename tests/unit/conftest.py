@@ -1,0 +1,52 @@
+"""The fast tier: `pytest tests/unit` checks the pure logic (ES math, metrics, verifiers, config validation,
+sweep planning and state, analyses on hand-built inputs) in a few minutes on 2 cores.
+
+Its rule, enforced here: no test starts a process. Tests that run the CLI, a sandboxed program, a tool, a
+SmolLM2 load, an engine or a cluster belong in tests/integration, tests/slurm or tests/vllm_cpu. Two helpers
+are shared by the whole session instead, started before any test: the noise kernel (compiled once into the
+user's cache) and the math-verify worker pool (idle workers reused by every math check); MLflow is imported
+first too (its import runs `uname -p`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+
+import pytest
+
+
+class ProcessStarted(AssertionError):
+    """A unit test started a process: move it to tests/integration (or start the helper once per session)."""
+
+
+@pytest.fixture(scope="session")
+def _session_helpers() -> None:
+    import mlflow.tracking  # noqa: F401 - its import runs `uname -p` once (platform.platform())
+
+    from esbatch.perturb import noise
+    from esbatch.tasks import verify_math
+
+    noise.cpu_simd()  # builds (or finds) the C kernel: `cc --version`, and `cc` once per source
+    verify_math.start_workers(verify_math.MAX_IDLE_WORKERS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_processes(_session_helpers):
+    """Refuse every process start while a unit test module runs (its module fixtures included). Module scope:
+    in a session that also runs tests/integration, the guard is lifted when pytest moves on to those."""
+
+    def refuse(*args, **kwargs):
+        raise ProcessStarted(
+            "a test in tests/unit (the fast tier) started a process: move it to tests/integration "
+            f"(args: {str(args)[:200]})"
+        )
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess.Popen, "__init__", refuse)
+        mp.setattr(multiprocessing.Process, "start", refuse)
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "execv", "execve"):
+            if hasattr(os, name):
+                mp.setattr(os, name, refuse)
+        yield
