@@ -43,6 +43,21 @@ def gate_path() -> str:
     return os.path.join(tempfile.mkdtemp(prefix="esbatch-gate-"), "gate")
 
 
+class Arrival:
+    """One process waiting at a gate: its tag, and ``release`` for it alone."""
+
+    def __init__(self, tag: str, conn: socket.socket) -> None:
+        self.tag, self._conn = tag, conn
+
+    def release(self, stopped: bool = False) -> None:
+        """Let it go on (nothing happens if it was killed meanwhile); ``stopped``: see ``Gate.release``."""
+        try:
+            self._conn.sendall(b"stop\n" if stopped else b"go\n")
+        except OSError:
+            pass
+        self._conn.close()
+
+
 class Gate:
     """The test's side: a listening Unix socket at ``path`` (default: a new ``gate_path()``; socket paths are
     limited to about 100 characters, which pytest's tmp_path can exceed)."""
@@ -55,38 +70,48 @@ class Gate:
         self._server.bind(self.path)
         self._server.listen(128)
         self._server.settimeout(limit_s)
-        self._waiting: list[tuple[str, socket.socket]] = []
+        self._waiting: list[Arrival] = []
+
+    def next(self) -> Arrival | None:
+        """The next process to arrive, waiting for it (up to the safety limit: AssertionError); None once the
+        gate is closed (another thread may close it to end a loop over arrivals)."""
+        try:
+            conn, _ = self._server.accept()
+        except TimeoutError as e:
+            raise AssertionError(f"no process reached the gate within {self.limit_s} s") from e
+        except OSError:  # closed
+            return None
+        conn.settimeout(self.limit_s)
+        return Arrival(conn.makefile("r").readline().strip(), conn)
 
     def arrivals(self, n: int) -> list[str]:
         """Wait until ``n`` processes in all wait at the gate; their tags in order of arrival."""
         while len(self._waiting) < n:
             try:
-                conn, _ = self._server.accept()
-            except TimeoutError as e:
-                got = [t for t, _ in self._waiting]
-                raise AssertionError(
-                    f"{len(got)} of {n} processes reached the gate within {self.limit_s} s: {got}"
-                ) from e
-            conn.settimeout(self.limit_s)
-            tag = conn.makefile("r").readline().strip()
-            self._waiting.append((tag, conn))
-        return [t for t, _ in self._waiting]
+                a = self.next()
+            except AssertionError as e:
+                got = [w.tag for w in self._waiting]
+                raise AssertionError(f"{len(got)} of {n} processes reached the gate: {got}; {e}") from e
+            if a is None:
+                break
+            self._waiting.append(a)
+        return [w.tag for w in self._waiting]
 
     def release(self, stopped: bool = False) -> None:
         """Let every process waiting now go on (one that was killed meanwhile is skipped). ``stopped``: each goes
         on only once its stop flag is set (the signal the test sent, possibly through a launcher that passes it
         on, has arrived), so the update it is in is the last one it runs."""
-        for _, conn in self._waiting:
-            try:
-                conn.sendall(b"stop\n" if stopped else b"go\n")
-            except OSError:
-                pass
-            conn.close()
+        for a in self._waiting:
+            a.release(stopped)
         self._waiting.clear()
 
     def close(self) -> None:
         """Release the waiting processes and remove the gate: later ``wait_at`` calls pass at once."""
         self.release()
+        try:
+            self._server.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept
+        except OSError:
+            pass
         self._server.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -172,7 +172,11 @@ class GatedDigitTask(DigitTask):
         if due and self.here and os.environ.get("RANK", "0") == self.rank:
             from gate import wait_at
 
-            if wait_at(self.gate, str(os.getpid())) == "stop" and not stop.STOP.wait(600):
+            tag = f"{os.getpid()}"
+            if "SLURM_JOB_ID" in os.environ:  # "pid job" where job is what scancel/scontrol take
+                array = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+                tag += " " + (f"{array[0]}_{array[1]}" if all(array) else os.environ["SLURM_JOB_ID"])
+            if wait_at(self.gate, tag) == "stop" and not stop.STOP.wait(600):
                 raise RuntimeError("released by the gate to stop, but no stop signal arrived in 600 s")
         return super().score(response, ex)
 

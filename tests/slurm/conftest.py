@@ -13,6 +13,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """One xdist group for every SLURM test (`-n N --dist loadgroup`): they share the one cluster this
+    folder's fixture starts and stops, so they run one after another on one worker, beside the other tests."""
+    for item in items:
+        if HERE in Path(item.fspath).resolve().parents:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 def _running() -> bool:

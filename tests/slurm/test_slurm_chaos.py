@@ -1,17 +1,21 @@
-"""Chaos on the real cluster: tasks of a 12-run sweep are SIGKILLed, requeued (`scontrol requeue`) and sent USR2
-at random moments until a quarter of them were hit. The sweep (re-run until nothing is left to submit) ends
-with every run finished, every center bit-identical to an undisturbed run of the same config, and every
-metric step in MLflow exactly once. A hung run requeues itself and finishes too."""
+"""Chaos on the real cluster: a quarter of a 12-run sweep's tasks are hit inside an update, each kind in turn:
+SIGKILL of every process, `scontrol requeue` (the scheduler takes the node back), and USR2 (the time-limit
+warning). The sweep (re-run until nothing is left to submit) ends with every run finished, every center
+bit-identical to an undisturbed run of the same config, and every metric step in MLflow exactly once. A hung run
+requeues itself and finishes too.
+
+Every hit lands in a live task by construction: each task's scorer waits at a gate (tests/gate.py) inside update
+2 until the test has hit it, or lets it go on at once (the tasks not hit, and the hit tasks' restarts)."""
 
 import json
-import random
 import subprocess
-import time
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from gate import Gate
 from safetensors.torch import load_file
 from test_slurm_sweep import children, cli, shrunk_quickstart, wait_for, wait_sweep
 
@@ -22,20 +26,54 @@ pytestmark = pytest.mark.usefixtures("slurm_cluster")
 RUNS, UPDATES = 12, 6
 
 
-def running_tasks(job: str) -> list[str]:
-    out = subprocess.run(["squeue", "-h", "-j", job, "-t", "R", "-o", "%i"], capture_output=True, text=True).stdout
-    return [x for x in out.split() if "_" in x and "[" not in x]
-
-
 def hit(task: str, action: str) -> subprocess.Popen:
-    """Start the hit without waiting: scancel can block for most of a minute while a task is requeueing itself,
-    and the array must not run out of live tasks meanwhile."""
+    """Start the hit without waiting: scancel can block for most of a minute while a task is requeueing itself."""
     cmd = {
         "kill": ["scancel", "--signal=KILL", "--full", task],  # every process of the task, no warning
         "requeue": ["scontrol", "requeue", task],  # the scheduler takes the node back (preemption)
         "usr2": ["scancel", "--signal=USR2", task],  # the time-limit warning: stop, then submitit requeues
     }[action]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+class Chaos:
+    """Serves the gate from a thread: the first ``n`` distinct tasks to arrive are hit, the kinds in turn (a
+    killed task is let go once scancel has returned; a USR2 one once its stop flag is set); every other arrival
+    goes on at once."""
+
+    KINDS = ("kill", "requeue", "usr2")
+
+    def __init__(self, gate: Gate, n: int) -> None:
+        self.gate, self.n = gate, n
+        self.hits: dict[str, str] = {}  # SLURM task -> kind
+        self.calls: list[subprocess.Popen] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                a = self.gate.next()
+            except AssertionError:  # no arrival within the gate's limit: the sweep may be between rounds
+                continue
+            if a is None:  # closed
+                return
+            task = a.tag.split()[1]
+            if len(self.hits) >= self.n or task in self.hits:
+                a.release()
+                continue
+            kind = self.KINDS[len(self.hits) % len(self.KINDS)]
+            self.hits[task] = kind
+            self.calls.append(hit(task, kind))
+            if kind == "kill":
+                self.calls[-1].wait(timeout=180)
+            a.release(stopped=kind == "usr2")
+
+    def stop(self) -> None:
+        self.gate.close()
+        self.thread.join(timeout=60)
+        for p in self.calls:
+            p.wait(timeout=180)  # slurmctld can be slow under load
 
 
 def finished_or_idle(tmp: Path, sweep_dir: Path) -> str | None:
@@ -58,49 +96,36 @@ def reference_centers(sweep_dir: Path, tmp: Path) -> dict[str, dict[str, torch.T
     return out
 
 
-def test_kills_requeues_and_usr2_at_random_lose_nothing(tmp_path, tiny_model_dir):
+def test_kills_requeues_and_usr2_inside_updates_lose_nothing(tmp_path, tiny_model_dir):
+    gate = Gate()
     path = shrunk_quickstart(
         tmp_path,
         tiny_model_dir,
         "chaos",
         updates=UPDATES,
+        gate=gate.path,
+        gate_update=2,
         grid={"run.seed": list(range(RUNS))},
-        # three at a time: four waves keep live tasks around long enough for a quarter to be hit
         launcher_overrides={"mem": "1000M", "array_parallelism": 3},
         aggregate=None,
     )
     sweep_dir = tmp_path / "out" / "chaos"
-    rng, hits, rounds = random.Random(0), {"kill": 0, "requeue": 0, "usr2": 0}, 0
-    tasks_hit: set[str] = set()
-    pending_hits: list[subprocess.Popen] = []
-    order = rng.sample(sorted(hits), len(hits))
-    while True:
-        out, calls = cli(tmp_path, "sweep", str(path))
-        if "nothing to submit" in out:  # finished, or still active (a requeued task waiting for its restart)
-            status = wait_for(lambda: finished_or_idle(tmp_path, sweep_dir), 600, "the active runs to end")
-            if status == "finished":
-                break
-            continue
-        rounds += 1
-        assert rounds <= 4, out
-        job = json.loads((sweep_dir / "sweep.json").read_text())["submissions"][-1]["job_id"]
-        while len(tasks_hit) < RUNS // 4 and rounds == 1:  # chaos in the first round only
-            running = [t for t in running_tasks(job) if t not in tasks_hit]
-            if not running:
-                if not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
-                    break  # the array ended before a quarter was hit
-                time.sleep(0.5)
+    chaos, rounds = Chaos(gate, RUNS // 4), 0
+    try:
+        while True:
+            out, calls = cli(tmp_path, "sweep", str(path))
+            if "nothing to submit" in out:  # finished, or still active (a requeued task waiting for its restart)
+                status = wait_for(lambda: finished_or_idle(tmp_path, sweep_dir), 900, "the active runs to end")
+                if status == "finished":
+                    break
                 continue
-            time.sleep(rng.uniform(0.5, 4.0))  # a random moment of the task's life
-            task, action = rng.choice(running), order[len(tasks_hit) % len(order)]  # each kind of hit, in turn
-            pending_hits.append(hit(task, action))
-            hits[action] += 1
-            tasks_hit.add(task)
-        for p in pending_hits:
-            p.wait(timeout=180)  # slurmctld can be slow under load
-        wait_sweep(sweep_dir, timeout=900)
-    print(f"\nchaos: {hits} on {len(tasks_hit)} of {RUNS} tasks; {rounds} submission round(s)")
-    assert len(tasks_hit) >= RUNS // 4
+            rounds += 1
+            assert rounds <= 4, out
+            wait_sweep(sweep_dir, timeout=900)
+    finally:
+        chaos.stop()
+    print(f"\nchaos: {chaos.hits}; {rounds} submission round(s)")
+    assert sorted(chaos.hits.values()) == ["kill", "requeue", "usr2"]
 
     client, _, kids = children(sweep_dir, "chaos")
     assert len(kids) == RUNS and all(k.info.status == "FINISHED" for k in kids)  # resumes reuse their MLflow run

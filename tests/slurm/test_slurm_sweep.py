@@ -14,27 +14,33 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from gate import Gate
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
-from toy import toy_config
+from toy import gated, toy_config
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
 
-def tiny_base(tmp: Path, model_dir: Path, updates: int = 4) -> Path:
+def tiny_base(tmp: Path, model_dir: Path, updates: int = 4, gate: str = "", gate_update: int = 0) -> Path:
+    """The toy run every SLURM test sweeps; with ``gate``, each task's scorer waits there inside ``gate_update``."""
     cfg = toy_config(model_dir, es_updates=updates, eval={"every": 2}, checkpoint={"every": 2})
+    if gate:
+        cfg = gated(cfg, gate, gate_update)
     p = tmp / "tiny-base.yaml"
     p.write_text(yaml.safe_dump(cfg))
     return p
 
 
-def shrunk_quickstart(tmp: Path, model_dir: Path, name: str, updates: int = 4, **changes) -> Path:
+def shrunk_quickstart(
+    tmp: Path, model_dir: Path, name: str, updates: int = 4, gate: str = "", gate_update: int = 0, **changes
+) -> Path:
     """sweeps/quickstart.yaml with the tiny model/toy task and the slurm-local launcher."""
     sweep = yaml.safe_load((ROOT / "sweeps/quickstart.yaml").read_text())
     sweep.update(
         name=name,
-        base=str(tiny_base(tmp, model_dir, updates)),
+        base=str(tiny_base(tmp, model_dir, updates, gate, gate_update)),
         output_dir=str(tmp / "out"),
         launcher="slurm-local",
         launcher_overrides={"mem": "1000M"},
@@ -161,31 +167,34 @@ def test_max_array_size_is_read_from_the_cluster():
 
 
 def test_time_limit_signal_requeues_and_resumes_bit_exact(tmp_path, tiny_model_dir):
-    path = shrunk_quickstart(
-        tmp_path, tiny_model_dir, "rq", updates=30, grid={"es.population_size": [4]}, aggregate=None
-    )
-    cli(tmp_path, "sweep", str(path))
-    sweep_dir = tmp_path / "out" / "rq"
-    meta = json.loads((sweep_dir / "sweep.json").read_text())
-    (key,) = meta["submissions"][0]["keys"]
-    sub = meta["submissions"][0]
-    job = sub["job_id"]  # one run: submitit makes it a plain job, not a one-element array
-    assert sub["array"] is False
-    log = sweep_dir / "runs" / key / "log.jsonl"
-    wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3, 180, "3 logged updates")
-    # what SLURM sends signal_delay_s before the time limit (submitit's job._interrupt(timeout=True))
-    subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    n_at_signal = len(log.read_text().splitlines())
-    wait_for(
-        lambda: json.loads((sweep_dir / "runs" / key / "run.json").read_text())["status"] == "killed",
-        60,
-        "the task to stop",
-    )
+    """SLURM's time-limit warning (USR2) reaches the task while it waits at a gate inside update 3: it finishes
+    that update, stops, requeues itself (submitit), and the restart trains on to the uninterrupted center."""
+    with Gate() as g:
+        path = shrunk_quickstart(
+            tmp_path, tiny_model_dir, "rq", updates=6, gate=g.path, gate_update=3,
+            grid={"es.population_size": [4]}, aggregate=None,
+        )  # fmt: skip
+        cli(tmp_path, "sweep", str(path))
+        sweep_dir = tmp_path / "out" / "rq"
+        meta = json.loads((sweep_dir / "sweep.json").read_text())
+        (key,) = meta["submissions"][0]["keys"]
+        sub = meta["submissions"][0]
+        job = sub["job_id"]  # one run: submitit makes it a plain job, not a one-element array
+        assert sub["array"] is False
+        (tag,) = g.arrivals(1)
+        assert tag.split()[1] == job
+        # what SLURM sends signal_delay_s before the time limit (submitit's job._interrupt(timeout=True))
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        g.release(stopped=True)
     wait_sweep(sweep_dir, timeout=500)
-    assert n_at_signal < 30
-    assert len(log.read_text().splitlines()) == 30
+    log = sweep_dir / "runs" / key / "log.jsonl"
+    assert len(log.read_text().splitlines()) == 6
+    first = next((sweep_dir / "slurm").glob(f"{job}*/*_log.err")).read_text()
+    assert "SIGUSR2: stopping after the current update" in first, first[-2000:]
     _, _, (kid,) = children(sweep_dir, "rq")  # one MLflow run across the requeue
     assert kid.info.status == "FINISHED" and kid.data.tags["slurm.restarts"] == "1"
+    steps = sorted(m.step for m in children(sweep_dir, "rq")[0].get_metric_history(kid.info.run_id, "reward/mean"))
+    assert steps == list(range(1, 7))  # update 3 logged once, before the stop; the restart began at update 4
 
     # an uninterrupted run of the same config (same key) through the same task code, locally
     ref = tmp_path / "ref.yaml"
@@ -340,6 +349,8 @@ def algorithm_base(tmp: Path, model_dir: Path, **extra) -> Path:
 
 
 def test_grpo_and_pipeline_sweeps_finish_and_a_requeued_pipeline_resumes_its_stage(tmp_path, tiny_model_dir):
+    """The pipeline's GRPO stage gets SLURM's time-limit warning while it waits at a gate inside its update 1 (4
+    held-out problems, then 2 prompts per update): it finishes that update, stops, requeues, and resumes there."""
     grpo = shrunk_quickstart(tmp_path, tiny_model_dir, "gs", aggregate=None, grid={"grpo.learning_rate": [1e-3, 2e-3]})
     spec = yaml.safe_load(grpo.read_text())
     spec["base"] = str(algorithm_base(tmp_path, tiny_model_dir, algorithm="grpo"))
@@ -347,23 +358,21 @@ def test_grpo_and_pipeline_sweeps_finish_and_a_requeued_pipeline_resumes_its_sta
     pipe = shrunk_quickstart(tmp_path, tiny_model_dir, "ps", aggregate=None, grid={})
     spec = yaml.safe_load(pipe.read_text())
     pipeline = {"stages": ["es", "grpo"], "updates": 10, "split": [1, 4]}
-    spec["base"] = str(algorithm_base(tmp_path, tiny_model_dir, algorithm="pipeline", pipeline=pipeline))
-    pipe.write_text(yaml.safe_dump(spec))
-    cli(tmp_path, "sweep", str(grpo))
-    cli(tmp_path, "sweep", str(pipe))
-
-    # the pipeline gets SLURM's time-limit warning while its GRPO stage trains: it stops, requeues, resumes
     ps = tmp_path / "out" / "ps"
-    (sub,) = json.loads((ps / "sweep.json").read_text())["submissions"]
-    stage2 = wait_for(lambda: next(iter(ps.glob("runs/*/stage2-grpo")), None), 300, "stage 2 to start")
-    wait_for(
-        lambda: (stage2 / "log.jsonl").exists() and (stage2 / "log.jsonl").read_bytes().count(b"\n") >= 1,
-        300,
-        "a GRPO step",
-    )
-    stage1_log = (stage2.parent / "stage1-es" / "log.jsonl").read_bytes()
-    subprocess.run(["scancel", "--signal=USR2", sub["job_id"]], check=True)
-    wait_for(lambda: json.loads((stage2.parent / "run.json").read_text())["status"] == "killed", 120, "the stop")
+    with Gate() as g:
+        params = {"size": 16, "gate": g.path, "after_examples": 4 + 1 * 2, "argv": "stage2-grpo"}
+        task = {"name": "toy:GatedDigitTask", "params": params, "heldout_size": 4, "few_shot": 1}
+        spec["base"] = str(algorithm_base(tmp_path, tiny_model_dir, algorithm="pipeline", pipeline=pipeline, task=task))
+        pipe.write_text(yaml.safe_dump(spec))
+        cli(tmp_path, "sweep", str(grpo))
+        cli(tmp_path, "sweep", str(pipe))
+        (sub,) = json.loads((ps / "sweep.json").read_text())["submissions"]
+        g.arrivals(1)
+        (stage2,) = ps.glob("runs/*/stage2-grpo")
+        assert (stage2 / "log.jsonl").read_bytes().count(b"\n") == 1
+        stage1_log = (stage2.parent / "stage1-es" / "log.jsonl").read_bytes()
+        subprocess.run(["scancel", "--signal=USR2", sub["job_id"]], check=True)
+        g.release(stopped=True)
     for sweep_dir in (tmp_path / "out" / "gs", ps):
         wait_sweep(sweep_dir, timeout=600)
     assert (stage2.parent / "stage1-es" / "log.jsonl").read_bytes() == stage1_log  # stage 1 was not redone
