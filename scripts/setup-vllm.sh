@@ -18,3 +18,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$want" > "$stamp"
 fi
+echo "setup-vllm: .venv-vllm ready in ${SECONDS} s" >&2

@@ -20,3 +20,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "deepspeed>=0.16"
   echo "$want" > "$stamp"
 fi
+echo "setup: .venv ready in ${SECONDS} s" >&2
