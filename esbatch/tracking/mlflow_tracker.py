@@ -11,8 +11,12 @@ import contextlib
 import fcntl
 import functools
 import os
+import shutil
 import socket
+import sqlite3
 import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +26,8 @@ import esbatch
 
 @contextlib.contextmanager
 def _sqlite_lock(uri: str) -> Iterator[None]:
-    """An exclusive file lock beside a sqlite store while it is opened (and possibly created)."""
+    """An exclusive file lock beside a sqlite store while it is opened (and possibly created: from the empty-store
+    template, ``seed_sqlite``)."""
     if not uri.startswith("sqlite:///"):
         yield
         return
@@ -31,9 +36,61 @@ def _sqlite_lock(uri: str) -> Iterator[None]:
     with open(db.with_name(db.name + ".lock"), "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
+            seed_sqlite(db)
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _empty_store_template() -> Path | None:
+    """An empty sqlite store made by this MLflow version, built once into the cache (ESBATCH_CACHE, default
+    ~/.cache/esbatch); None where it cannot be made (MLflow then builds each store itself)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    cache = Path(os.environ.get("ESBATCH_CACHE", Path.home() / ".cache" / "esbatch"))
+    tmpl = cache / f"mlflow-{mlflow.__version__}-empty.db"
+    if tmpl.is_file():
+        return tmpl
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            MlflowClient(f"sqlite:///{tmp}/empty.db").search_experiments()  # creates the schema
+            os.replace(f"{tmp}/empty.db", tmpl)  # atomic: processes building it at once all see a whole file
+    except Exception as e:  # noqa: BLE001 - a cache we cannot write costs time, never the run
+        print(f"warning: no MLflow store template in {cache} ({type(e).__name__}: {e})", file=sys.stderr)
+        return None
+    return tmpl
+
+
+def seed_sqlite(db: Path) -> None:
+    """Start a new sqlite store at ``db`` as a copy of the empty-store template, with the Default experiment's
+    location and times as MLflow would have written them. Creating the schema runs MLflow's migrations (2-3 s,
+    once per sweep and once per run with offline tracking); the copy takes milliseconds. Called under the store's
+    lock; nothing happens when ``db`` exists or MLflow's workspaces are on (a different schema)."""
+    if db.exists() or os.environ.get("MLFLOW_ENABLE_WORKSPACES", "").lower() in ("1", "true"):
+        return
+    tmpl = _empty_store_template()
+    if tmpl is None:
+        return
+    from mlflow.utils.uri import append_to_uri_path, resolve_uri_if_local
+
+    root = os.environ.get("_MLFLOW_SERVER_ARTIFACT_ROOT", "./mlruns")  # MLflow's default artifact root
+    tmp = db.with_name(f".{db.name}.seed{os.getpid()}")
+    try:
+        shutil.copyfile(tmpl, tmp)
+        now = int(time.time() * 1000)
+        with contextlib.closing(sqlite3.connect(tmp)) as con, con:
+            con.execute(
+                "UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? "
+                "WHERE experiment_id = 0",
+                (append_to_uri_path(resolve_uri_if_local(root), "0"), now, now),
+            )
+        os.replace(tmp, db)
+    except (OSError, sqlite3.Error) as e:  # MLflow then creates the store itself, and reports what it cannot do
+        print(f"warning: could not seed {db} from {tmpl} ({type(e).__name__}: {e})", file=sys.stderr)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def default_tracking_uri(output_dir: str | Path) -> str:
