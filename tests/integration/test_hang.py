@@ -16,7 +16,7 @@ UPDATES = 4
 # The watchdog's limit: far above a tiny-model phase (milliseconds; seconds on a loaded machine), and what the
 # hung run waits before it ends. That the watchdog (not the subprocess timeout) ended it shows in exit code 75
 # and its message naming this limit.
-HANG_S = 10
+HANG_S = 20
 
 
 def write(tmp: Path, model_dir: Path, name: str, marker: Path, nproc: int = 1) -> Path:

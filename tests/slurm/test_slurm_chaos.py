@@ -121,7 +121,7 @@ def test_kills_requeues_and_usr2_inside_updates_lose_nothing(tmp_path, tiny_mode
                 continue
             rounds += 1
             assert rounds <= 4, out
-            wait_sweep(sweep_dir, timeout=900)
+            wait_sweep(sweep_dir)
     finally:
         chaos.stop()
     print(f"\nchaos: {chaos.hits}; {rounds} submission round(s)")
@@ -153,7 +153,7 @@ def test_a_hung_task_requeues_itself_and_finishes_bit_exact(tmp_path, tiny_model
     cli(tmp_path, "sweep", str(path))
     sweep_dir = tmp_path / "out" / "hang"
     wait_for(lambda: not marker.exists(), 300, "the scorer to hang")
-    wait_sweep(sweep_dir, timeout=600)
+    wait_sweep(sweep_dir)
     (key,) = [r["key"] for r in json.loads((sweep_dir / "sweep.json").read_text())["runs"]]
     meta = json.loads((sweep_dir / "runs" / key / "run.json").read_text())
     assert meta["status"] == "finished" and meta["hang_requeues"] == 1

@@ -90,8 +90,9 @@ def wait_for(cond, timeout: float, what: str, every: float = 1.0):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def wait_sweep(sweep_dir: Path, timeout: float = 400) -> dict:
-    """Until every array task and the aggregator job have ended."""
+def wait_sweep(sweep_dir: Path, timeout: float = 1800) -> dict:
+    """Until every array task and the aggregator job have ended. ``timeout`` is a safety limit only (a sweep here
+    takes minutes; a loaded machine, several): the tests assert what happened, never how fast."""
     meta = json.loads((sweep_dir / "sweep.json").read_text())
     jobs = [s["job_id"] for s in meta["submissions"]] + [
         s["aggregate_job"] for s in meta["submissions"] if s.get("aggregate_job")
@@ -186,7 +187,7 @@ def test_time_limit_signal_requeues_and_resumes_bit_exact(tmp_path, tiny_model_d
         # what SLURM sends signal_delay_s before the time limit (submitit's job._interrupt(timeout=True))
         subprocess.run(["scancel", "--signal=USR2", job], check=True)
         g.release(stopped=True)
-    wait_sweep(sweep_dir, timeout=500)
+    wait_sweep(sweep_dir)
     log = sweep_dir / "runs" / key / "log.jsonl"
     assert len(log.read_text().splitlines()) == 6
     first = next((sweep_dir / "slurm").glob(f"{job}*/*_log.err")).read_text()
@@ -219,7 +220,7 @@ def test_sixteen_concurrent_tasks_lose_no_mlflow_data(tmp_path, tiny_model_dir):
     out, calls = cli(tmp_path, "sweep", str(path))
     assert calls == 2, out
     sweep_dir = tmp_path / "out" / "c16"
-    wait_sweep(sweep_dir, timeout=600)
+    wait_sweep(sweep_dir)
     client, (parent,), kids = children(sweep_dir, "c16")
     assert len(kids) == 16 and all(k.info.status == "FINISHED" for k in kids)
     for k in kids:
@@ -374,7 +375,7 @@ def test_grpo_and_pipeline_sweeps_finish_and_a_requeued_pipeline_resumes_its_sta
         subprocess.run(["scancel", "--signal=USR2", sub["job_id"]], check=True)
         g.release(stopped=True)
     for sweep_dir in (tmp_path / "out" / "gs", ps):
-        wait_sweep(sweep_dir, timeout=600)
+        wait_sweep(sweep_dir)
     assert (stage2.parent / "stage1-es" / "log.jsonl").read_bytes() == stage1_log  # stage 1 was not redone
     assert (stage2 / "log.jsonl").read_bytes().count(b"\n") == 8
     _, _, kids = children(ps, "ps")
@@ -409,7 +410,7 @@ def test_evals_start_per_finished_run_through_an_aftercorr_array(tmp_path, tiny_
     out, calls = cli(tmp_path, "sweep", str(path))
     assert calls == 4, out  # base eval array, training array, aftercorr eval array, aggregator
     sweep_dir = tmp_path / "out" / "ev"
-    meta = wait_sweep(sweep_dir, timeout=900)
+    meta = wait_sweep(sweep_dir)
     base, train, evals = meta["submissions"]
     assert base["keys"][0].startswith("base-") and "dependency" not in base
     assert evals["dependency"] == f"aftercorr:{train['job_id']}" and evals["aggregate_job"]
