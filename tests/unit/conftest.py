@@ -4,8 +4,8 @@ sweep planning and state, analyses on hand-built inputs) in a few minutes on 2 c
 Its rule, enforced here: no test starts a process. Tests that run the CLI, a sandboxed program, a tool, a
 SmolLM2 load, an engine or a cluster belong in tests/integration, tests/slurm or tests/vllm_cpu. Two helpers
 are shared by the whole session instead, started before any test: the noise kernel (compiled once into the
-user's cache) and the math-verify worker pool (idle workers reused by every math check); MLflow is imported
-first too (its import runs `uname -p`).
+user's cache) and the math-verify worker pool (idle workers reused by every math check); MLflow and matplotlib's
+font manager are imported first too (their imports run `uname -p`, and `fc-list` where the font cache is new).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ class ProcessStarted(AssertionError):
 
 @pytest.fixture(scope="session")
 def _session_helpers() -> None:
+    import matplotlib.font_manager  # noqa: F401 - on a fresh machine its import runs `fc-list` to build the font cache
     import mlflow.tracking  # noqa: F401 - its import runs `uname -p` once (platform.platform())
 
     from esbatch.perturb import noise
@@ -40,7 +41,7 @@ def _no_processes(_session_helpers):
     def refuse(*args, **kwargs):
         raise ProcessStarted(
             "a test in tests/unit (the fast tier) started a process: move it to tests/integration "
-            f"(args: {str(args)[:200]})"
+            f"(args: {str([a for a in args if not isinstance(a, subprocess.Popen)])[:200]})"
         )
 
     with pytest.MonkeyPatch.context() as mp:
