@@ -34,7 +34,7 @@ if [ "$tier" = all ]; then
   phase integration+slurm .venv/bin/python -m pytest -q -p no:cacheprovider \
     -n "${ESBATCH_TEST_WORKERS_MAIN:-3}" --dist loadgroup --durations=30 tests/slurm tests/integration "$@"
   phase vllm .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -n "${ESBATCH_TEST_WORKERS_VLLM:-2}" \
-    --dist loadfile --durations=10 tests/vllm_cpu "$@"
+    --dist loadgroup --durations=30 tests/vllm_cpu "$@"
 fi
 
 status=0
