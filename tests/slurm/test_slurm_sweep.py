@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from toy import gated, toy_config
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.usefixtures("slurm_cluster")
+# the one cluster: its fixture starts it once per session, and one xdist worker runs every test using it
+pytestmark = [pytest.mark.usefixtures("slurm_cluster"), pytest.mark.xdist_group("slurm")]
 
 
 def tiny_base(tmp: Path, model_dir: Path, updates: int = 4, gate: str = "", gate_update: int = 0) -> Path:
