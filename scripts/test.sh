@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The test suite, in timed phases (after scripts/setup.sh, and scripts/setup-vllm.sh for the vllm phase):
 #
-#   bash scripts/test.sh fast   the fast tier: tests/unit, pure logic, no process started (about 2 min on 2 cores)
+#   bash scripts/test.sh fast   the fast tier: tests/unit, pure logic, no process started (about 1 min on 2 cores)
 #   bash scripts/test.sh        everything (CI): unit, then integration + slurm, then vllm_cpu
 #
 # Each phase prints its slowest tests; the end prints each phase's wall time and exit status, and the script
 # exits non-zero if any phase failed (every phase runs regardless). pytest-xdist spreads each phase over
-# workers: ESBATCH_TEST_WORKERS_UNIT / _MAIN / _VLLM set their numbers (docs/benchmarks.md: the measurements
-# behind the defaults). Extra arguments go to every pytest call (e.g. -x, -k EXPR).
+# workers: ESBATCH_TEST_WORKERS_UNIT / _MAIN / _VLLM set their numbers (docs/benchmarks.md, "Test suite time":
+# what the defaults gave; they were not tuned side by side). Extra arguments go to every pytest call (-x, -k EXPR).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 tier=all
