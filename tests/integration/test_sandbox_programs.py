@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -318,12 +319,24 @@ def _leftovers(r, marker: str, before: set[int]) -> list[str]:
             left += sorted(set(processes_of_uid(os.getuid())) - before)
         return sorted(set(left))
 
-    # The kernel kills what is left in the program's PID namespace as its init exits, but the corpses may take a
-    # moment to vanish from /proc: wait for that instead of guessing how long it takes. A real leftover (a daemon
-    # sleeping 999 s) is still there when the safety limit runs out.
-    deadline = time.monotonic() + SAFETY_S
-    while (left := alive()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # The kernel kills what is left in the program's PID namespace as its init exits, but a process may not have
+    # ended yet when we look: wait on each one's pidfd (readable once it has exited) instead of polling /proc. A
+    # real leftover (a daemon sleeping 999 s) is still running when the safety limit runs out.
+    fds: dict[int, int] = {}
+    for pid in alive():
+        try:
+            fds[os.pidfd_open(pid)] = pid
+        except ProcessLookupError:  # ended between the listing and here
+            pass
+    try:
+        pending, deadline = dict(fds), time.monotonic() + SAFETY_S
+        while pending and (wait := deadline - time.monotonic()) > 0:
+            for fd in select.select(list(pending), [], [], wait)[0]:
+                pending.pop(fd)
+        left = sorted(pending.values())
+    finally:
+        for fd in fds:
+            os.close(fd)
     return [f"process {pid} left: {_cmdlines().get(pid, b'?')[:80]!r}" for pid in left]
 
 
