@@ -276,12 +276,17 @@ def run_updates(run: RunSession, trainer: Trainer, progress: bool) -> dict[str, 
     """Drive ``trainer`` from where the run folder stands to its budget (see the module docstring)."""
     try:
         total = trainer.setup()
+        # Set-up is untimed; a rank that finishes it first must not spend its deadline in a collective waiting
+        # for a peer still loading (or rank 0 still opening MLflow, below): the ranks meet first, untimed (the
+        # barrier's own limit is the process group's: a minute past run.hang_timeout_s, esbatch/train/ranks.py).
+        run.ranks.barrier()
         run.watchdog = Watchdog(run.cfg.run.hang_timeout_s)
         with run.watchdog.phase("restoring the checkpoint and replaying the log"):
             start, records = _restore(run, trainer)
         run.tags.update(trainer.tags())
-        run.start(total, n_train=trainer.n_train)
-        run.log_missing_steps(records)
+        run.start(total, n_train=trainer.n_train)  # rank 0: opens the MLflow run (untimed; measured ~40 s on a
+        run.log_missing_steps(records)  # loaded 2-core machine) and logs what the store missed
+        run.ranks.barrier()
         _train_loop(run, trainer, start, total, progress)
         if run.lead and run.cfg.tracking.log_model:
             if run.rd.export_t() != total:  # checkpoint.center: final has written it already
