@@ -1,33 +1,14 @@
 """Low-rank ES in the HF backend (``es.perturbation: lowrank``): the whole population in one batched generate.
 
-Member i (direction seed_i, scale s_i) is theta + s_i E_i with E_i = A_i B_i^T / sqrt(r) on every matrix and the
-full-rank eps on the other tensors (esbatch/perturb/lowrank.py). Its rows never see a materialized W + s_i E_i:
-forward hooks add each row's perturbation to the shared, unperturbed output,
+Member i is theta + s_i E_i (esbatch/perturb/lowrank.py), never materialized: forward hooks add each row's term:
 
     nn.Linear     y = x W^T + b  +  (x B_i) (s_i A_i / sqrt(r))^T  [+ s_i eps_i(bias)]
     nn.Embedding  y = W[t]       +  (s_i A_i / sqrt(r))[t] B_i^T
     RMSNorm       y = w * n(x)   +  s_i eps_i(w) * n(x)          n(x) = x / sqrt(mean(x^2) + eps), recomputed
 
-so x W^T (the cost of inference) is computed once for all N x B rows, plus O(r (m + n)) per row and matrix.
-A tied embedding / lm_head is one parameter with one (A, B): the lookup adds rows of s A B^T / sqrt(r), the head
-multiplies by its transpose, as a materialized member would. Tensors of any other module (a 2-D parameter outside
-nn.Linear / nn.Embedding, a 1-D one outside a Linear bias or an RMSNorm) are refused at construction, naming them
-(es.lowrank_vectors: frozen leaves 1-D tensors alone).
-
-Batching: the rows are member-major (member 0's B prompts x sampling.n, then member 1's, ...), so a hook sees its
-input as (U members, rows per member, ...) and uses batched matmuls, no per-row gather. One generate call takes
-as many whole members as generation.batch_size rows hold; a member with more rows than that is split into calls
-of batch_size // n prompts, as HFGenerator.generate splits them.
-
-Sampling seeds: each member keeps its own generation seed. HF decodes greedily here and a logits processor
-samples every member's rows from its own torch.Generator seeded with that member's gen_seed, after HF's own
-temperature and top-p warpers, with HF's softmax + multinomial on that member's rows only. That is the random
-stream HFGenerator.generate(prompts, sampling, gen_seed) consumes for the member alone (torch.manual_seed, then
-one multinomial over its rows per step, continuing across its calls), so a member's responses equal those of the
-materialized member model up to the floating-point difference of the logits (a rounding-level difference: the
-hooks add the perturbation to x W^T instead of multiplying by a rounded W + s E; in bfloat16 the materialized
-weights are also rounded once more). Responses of a fixed (run seed, t) are reproducible. What differs: members
-that finished stay in the batch until the last row ends (padding, no effect on their tokens).
+so x W^T is computed once for all N x B rows. A tied embedding / lm_head shares one (A, B); other modules' tensors
+are refused at construction. Rows are member-major; each member samples from its own torch.Generator (its
+gen_seed), so its responses equal the materialized member's up to logit rounding (docs/lowrank.md).
 """
 
 from __future__ import annotations

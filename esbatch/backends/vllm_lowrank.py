@@ -1,30 +1,14 @@
 """Low-rank ES inside a vLLM worker (``es.perturbation: lowrank``, backend.name: vllm): the whole population in one
 engine's batch, each request carrying its member, each token its member's perturbation.
 
-The arithmetic is the HF backend's (esbatch/backends/hf_lowrank.py), written for vLLM's flat batches. vLLM runs
-all scheduled tokens of all requests as one (T, hidden) tensor, in the order of the model runner's persistent
-batch (which it reorders between steps), so the hooks cannot assume member-major rows: before each forward pass
-a pre-hook on the model reads which request every token belongs to (``runner.req_indices``, filled for this step
-by ``_prepare_inputs``) and which member every request belongs to (``SamplingParams.extra_args["es_member"]``,
-set by the driver, esbatch/backends/vllm.py), and groups the rows by member (``_Groups``: runs of one member's
-rows, consecutive runs of equal length viewed in place as (members, rows, k) blocks, the few rows left over
-gathered), so each term is one batched matmul per module and block, as in the HF backend:
-
-    linear (fused too)  y[:, rows of part p] += (x B_p[m_t]) (s A_p / sqrt(r))[m_t]^T   [+ s eps(bias_p)[m_t]]
-    embedding           y += (s A / sqrt(r))[m_t][token_t] B[m_t]^T
-    RMSNorm             y *= 1 + s eps(w)[m_t] / w   (y = w n(h));  y += s eps(w)[m_t] n(h) where some w_j = 0
-    logits              logits_j += (h_j B[m_j]) (s A / sqrt(r))[m_j]^T      one row per request (m_j: its member)
-
-A fused qkv_proj / gate_up_proj holds several HF matrices (esbatch/backends/layout.py): each part has its own
-factors, applied to its own slice of the output features, as on the HF model. A tied embedding / lm_head is one
-parameter with one (A, B), used by the lookup and by the logits. Tokens of requests without a member (evaluating the
-center on the same engine) and padding tokens get member U, whose factors are zero.
-
-Prefix caching: requests of different members with the same prompt must not share attention states, so the
-driver salts each member's requests with its (seed, scale) (``cache_salt``); the cache is reset whenever the center
-changes (update, load), as for full-rank ES.
-Needs eager execution (no torch.compile, no CUDA graphs: the hooks read Python state at every step); the driver
-starts low-rank engines with enforce_eager.
+The arithmetic is the HF backend's (esbatch/backends/hf_lowrank.py) on vLLM's flat (T, hidden) batch, which vLLM
+reorders between steps: a pre-hook maps each token to its request (``runner.req_indices``) and each request to its
+member (``SamplingParams.extra_args["es_member"]``, set by esbatch/backends/vllm.py), and groups rows by member
+(``_Groups``), so each term is one batched matmul per module. Hooked: linear layers (fused qkv_proj / gate_up_proj:
+each HF part's factors on its slice, esbatch/backends/layout.py), the embedding, RMSNorm (y *= 1 + s eps(w) / w,
+additive where w_j = 0) and the logits (a tied head shares the embedding's (A, B)). Tokens without a member (centre
+evaluations, padding) get member U, whose factors are zero. The driver salts each member's prefix cache with its
+(seed, scale) and starts engines eager: the hooks read Python state every step (docs/lowrank.md).
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """Sweep files: a base run config plus the axes to vary (expanded into runs by esbatch/launch/sweep.py).
 
-name: popsize                     # the sweep folder is <output_dir>/<name>
-base: gsm8k-qwen                  # built-in config name or a path (relative to this file)
-config: {es: {updates: 300}}      # overrides applied to every run
-grid:                             # cartesian product (W&B-style {values: [...]} also accepted)
-  es.population_size: [8, 16, 32, 64]
-zip:                              # values that go together, one group per entry
-  - model.name: [qwen2.5-0.5b-instruct, qwen2.5-1.5b-instruct]
-    es.sigma: [0.001, 0.0005]
-methods:                          # named variants, one more axis: each is overrides merged into the base
-  ES: {algorithm: es}
-  ES->GRPO: {algorithm: pipeline, pipeline: {stages: [es, grpo]}}
-seeds: [0]                        # run.seed values (another grid axis)
-evaluate:                         # after training: evaluate every final model (and each base model)
-  config: eval-easy               #   an eval config (built-in name or a path relative to this file)
-  base_models: true               #   also evaluate each distinct model before training
-  train_task: GSM8K               #   the suite's training task: left out of the held-out average
-threshold:                        # after training: magnitude-thresholded checkpoints of every final model, each
-  tau: [1.0e-6, 1.0e-5, 1.0e-4]   #   evaluated on the target task (Figure 4; esbatch/launch/evals.py)
-  config: eval-easy               #   the target task's eval config
-  task: GSM8K                     #   its label (default: evaluate.train_task, else the config's only task)
-launcher: a100                    # a launcher profile; fields overridable below
-launcher_overrides: {time: "12:00:00"}
-aggregate: [...]                  # tables and plots (esbatch/config/aggregate.py)
+``SweepFile`` is the schema: name, base and overrides; grid, zip, methods and seeds as axes (a grid axis may also be
+given W&B-style as ``{values: [...]}``); the ``evaluate`` and ``threshold`` phases (``EvaluateSpec``,
+``ThresholdSpec``); launcher and aggregate. An example file: docs/sweeps-and-slurm.md; every key:
+docs/config-reference.md.
 """
 
 from __future__ import annotations

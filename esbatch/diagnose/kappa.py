@@ -1,30 +1,14 @@
 r"""The local subtraction diagnostic of Appendix E: kappa_base and kappa_pair (Table 13).
 
-What the paper says (App. E.3-E.4, Table 13 caption). Around a checkpoint theta, for sampled full-parameter
-directions eps and scales sigma, each objective J is evaluated at the three points theta + sigma eps
-(positive), theta (center) and theta - sigma eps (negative) ("Equation (47)"); "the reported statistics
-pool scalar observations across prompts, generation seeds, and directions", and kappa_base, kappa_pair are
-"the raw scalar variance ratios in Equation (51); lower is better and values below 1 indicate variance
-reduction". Equations (47)-(51) themselves are missing from our text of the paper, so the formulas below are
-our reading of those sentences, checked against what the paper reports:
+Each objective J is evaluated at theta + sigma eps (J+), theta (J0) and theta - sigma eps (J-); observations o =
+(prompt or example, generation seed, direction) are pooled (App. E.3-E.4):
 
-    one observation o = (prompt or example i, generation seed s, direction d) at scale sigma:
-        J+_o = J(theta + sigma eps_d; i, seed_+(s))
-        J0_o = J(theta;               i, seed_0(s))
-        J-_o = J(theta - sigma eps_d; i, seed_-(s))
+    kappa_base = Var_o[J+_o - J0_o] / Var_o[J+_o]        kappa_pair = Var_o[J+_o - J-_o] / Var_o[J+_o]
 
-    kappa_base = Var_o[J+_o - J0_o] / Var_o[J+_o]     (subtracting a center evaluation, "base")
-    kappa_pair = Var_o[J+_o - J-_o] / Var_o[J+_o]     (antithetic pair, two-point ZO)
-
-with Var_o the sample variance (divisor n - 1) over the n pooled observations. The denominator is the raw
-one-point evaluation ES uses (one evaluation per direction, App. E / Sec. 5.2); the paired difference has no
-factor 1/2, because the paper reports kappa_pair above 1 for weakly correlated (independent-seed) rewards,
-which Var[(J+ - J-)/2] <= Var[J+] (equal variances) could never give. With Var[J+] = Var[J-] = v and
-correlation rho, kappa_pair = 2 (1 - rho): subtraction reduces raw variance only when rho > 1/2, the
-"covariance required by paired subtraction" of App. E.2. The correlations rho(J+, J-) and rho(J+, J0) are
-reported next to the ratios ("weakly correlated", "strong correlations", App. E.4).
-
-The objectives and the protocol that produces the observations are in :mod:`esbatch.diagnose.protocol`.
+with Var_o the sample variance (divisor n - 1), reported with the correlations rho(J+, J0) and rho(J+, J-).
+Our reading, since Eqs. (47)-(51) are missing from our text of the paper: the raw one-point evaluation as
+denominator and no 1/2 in the pair difference, as the paper reports kappa_pair > 1 for weakly correlated rewards
+(at equal variances kappa_pair = 2 (1 - rho)). The observations: :mod:`esbatch.diagnose.protocol`.
 """
 
 from __future__ import annotations

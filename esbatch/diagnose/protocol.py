@@ -1,30 +1,13 @@
 r"""The Appendix E protocol: evaluate each objective at theta + sigma eps, theta and theta - sigma eps.
 
-Objectives (App. E.3, "Objectives"), each giving one scalar per observation (see :mod:`esbatch.diagnose.kappa`):
-
-* ``regenerated``: regenerated-rollout reward. A response is generated afresh at each of the three points
-  (temperature, top_p and max_new_tokens of the config's ``generation``) and scored by the task's verifier
-  with the config's ``reward`` values (App. G.1). Seed coupling (App. E.3, "Randomness coupling"):
-  ``common`` uses the same generation seed at the three points; ``independent`` uses a different one at each
-  (the positive point keeps the common seed, so both modes share those generations). Observation =
-  (prompt, seed, direction). Table 13: 16 prompts, 16 seeds, 4 directions.
-* ``sst2-ce``: supervised cross-entropy, -log p(label word | prompt) summed over the label word's tokens
-  (:meth:`esbatch.tasks.sst2.SST2Task.target`), on the same fixed examples at the three points.
-  Observation = (example, direction); no generation randomness. The paper says only "128 pooled scalar
-  observations": 32 examples x 4 directions here (our split of the 128).
-* ``fixed``: fixed rollouts. Responses are generated once at theta (one per prompt and seed), frozen, and
-  rescored at each point by the log-probs of their tokens at the generation temperature: ``fixed-logprob``
-  (mean token log-prob of the response), ``fixed-seqloss`` (policy sequence loss, -sum of token log-probs)
-  and ``fixed-grpo`` (the GRPO surrogate of :mod:`esbatch.grpo.core`: clipped ratio to the frozen theta
-  log-probs times the group advantage over the prompt's seeds, config ``grpo.scale_rewards``,
-  ``grpo.epsilon``/``epsilon_high``, averaged over the response's tokens). Observation = (prompt, seed,
-  direction). Table 13: 16 prompts, 8 seeds, 4 directions.
-
-Weights move through the ES backend interface (``perturb(seed, +-sigma)`` / ``restore()``), so the
-directions are the training noise (esbatch/perturb/noise.py). The same directions are used at every sigma
-(the paper evaluates each sampled direction "at several perturbation scales"), and centre evaluations are
-shared across sigmas and directions. Scoring objectives read the model's logits, so they need the ``hf``
-backend; the regenerated reward works with any ES backend.
+Objectives (App. E.3), one scalar per observation (:mod:`esbatch.diagnose.kappa`; default sizes Table 13's):
+``regenerated``: the reward (App. G.1) of a response generated afresh at each point, with generation seeds
+``common`` to the three points or ``independent`` (the positive point keeps the common one); ``sst2-ce``:
+-log p(label word | prompt) on fixed examples (32 examples x 4 directions: our split of the paper's 128
+observations); ``fixed``: responses generated once at theta, rescored at each point (``fixed-logprob``,
+``fixed-seqloss``, ``fixed-grpo``: the surrogate of :mod:`esbatch.grpo.core`). Weights move through the ES backend
+(``perturb(seed, +-sigma)`` / ``restore()``), so the directions are the training noise, the same at every sigma,
+and centre evaluations are shared. Scoring objectives need the ``hf`` backend (docs/diagnostics.md).
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """GRPO on DeepSpeed (paper Section 2.2), readable top to bottom.
 
-Per step t (every rank, data-parallel), one optimizer step, as TRL counts them (global_step). Every
-mu = ``grpo.iterations`` steps (t % mu == 0) a batch is generated: take this rank's share of batch t // mu's
-B prompts -> generate G responses per prompt with the current policy -> score them with the task verifier
--> group-relative advantages (all ranks' rewards gathered, so batch statistics are global) -> with mu > 1
-the old log-probs, and with beta > 0 the frozen reference's, computed once and stored. Then, every step:
-forward/backward of the clipped token-level surrogate (+ beta * k3 KL) in micro-batches of
-``grpo.micro_batch_size`` sequences, gradients accumulated (each micro-batch's loss is its share of the
-whole batch's, so the gradient equals the unbatched one) -> one DeepSpeed step (ZeRO, AdamW, gradient
-clipping) -> the record the lifecycle logs (esbatch/train/lifecycle.py).
-
-Generation uses the DeepSpeed module itself (HF ``generate`` on ``engine.module``, through the backend
-registry's ``for_policy``): with ZeRO stages 0-2 every rank holds the full updated weights after
-``engine.step()``, so the generator is in sync by construction. With mu = 1 (TRL's default
-``num_iterations=1``) the old log-probs are the current ones, detached (ratio 1, no extra forward). Resume
-continues from the newest DeepSpeed checkpoint (``checkpoint.every``); steps logged after it are redone. A
-checkpoint inside a generated batch (t % mu != 0) also keeps each rank's stored batch, so resuming there
-continues on the same rollouts and old log-probs.
-
-Drift: records carry ``update/rel_distance_from_theta0`` = ||theta_t - theta_0|| / ||theta_0||, the metric
-ES logs, with theta_0 the base model as loaded (before ``model.init_weights``, as ES). With ``tracking.drift`` rank 0
-keeps an fp32 copy of theta_0 on CPU (4 bytes per parameter of host memory) and computes it every step; without it,
-rank 0 computes it at checkpoint steps and the last step by reading the base model's safetensors tensor by tensor.
-
-Population diversity (paper Section 3.1): every generated batch's record also holds ``diversity``, the share
-p(x) of the G responses to each prompt x that the verifier scores CORRECT, as one row (GRPO samples one
-policy: a population of one, whose verifier-projected JS diversity is 0 by definition), and diversity/*
-metrics of it (esbatch/metrics.py:diversity_metrics). It costs no generation: these are the G rollouts.
+Per step t (every rank, data-parallel; one optimizer step, TRL's global_step): when t % mu == 0 (mu =
+``grpo.iterations``) generate G responses to this rank's share of batch t // mu's B prompts with HF ``generate`` on
+the DeepSpeed module (in sync by construction under ZeRO 0-2), score them, take group-relative advantages over all
+ranks' rewards, and store the old (mu > 1) and reference (beta > 0) log-probs; then the clipped token-level
+surrogate (+ beta * k3 KL) in micro-batches whose losses sum to the whole batch's, and one DeepSpeed step.
+Resume: the newest DeepSpeed checkpoint, plus each rank's stored batch when it lies inside one. Records carry
+``update/rel_distance_from_theta0`` (theta_0: the base model before ``model.init_weights``, as ES) and, per
+generated batch, ``diversity``: p(x) over the G rollouts, a population of one (Section 3.1). docs/grpo-and-pipelines.md.
 """
 
 from __future__ import annotations

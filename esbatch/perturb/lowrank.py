@@ -1,26 +1,14 @@
 """Low-rank ES directions (EGGROLL, arXiv 2511.16652; ``es.perturbation: lowrank``) and their fp32 update.
 
-Every 2-D parameter W (m x n, as stored: an nn.Linear weight is (out, in), an embedding (vocab, hidden)) of
-direction ``seed`` moves along
+A 2-D parameter W (m x n as stored) moves along E(seed, W) = A B^T / sqrt(r), A (m, r) = eps(seed, "<name>#A"),
+B (n, r) = eps(seed, "<name>#B") (the run's generator, esbatch/perturb/noise.py); other parameters get eps(seed,
+name) (``es.lowrank_vectors: full``) or stay fixed (``frozen``). Member i is theta + s_i E(seed_i); the update is
 
-    E(seed, W) = A B^T / sqrt(r),   A = eps(seed, "<name>#A") as (m, r),  B = eps(seed, "<name>#B") as (n, r)
+    theta += alpha/N sum_i w_i E(seed_i) = c sum_i sum_k (w_i A_i[:, k]) outer B_i[:, k],   c = alpha / N / sqrt(r)
 
-with eps the run's counter-based generator (esbatch/perturb/noise.py, es.noise) drawn for the derived tensor
-names ``<name>#A`` and ``<name>#B``: two streams distinct from each other and from the full-rank eps(seed, name),
-each a pure function of (seed, name, element), so every process and device rebuilds the same factors. Each
-element of E has unit variance for Gaussian factors (a sum of r products of two unit normals, / sqrt(r)).
-Every other parameter (1-D: norm weights, biases) gets the full-rank eps(seed, name) (``es.lowrank_vectors:
-full``) or is never perturbed nor updated (``frozen``). A tied embedding / lm_head is one parameter, so it has
-one E: the embedding looks up rows of W + s E, the head multiplies by its transpose (esbatch/backends/hf_lowrank.py).
-
-Member i of scale s_i is theta + s_i E(seed_i). The update (es.restore: exact; fp32 master):
-
-    theta += alpha/N * sum_i w_i E(seed_i)
-           = c * sum_i sum_k (w_i A_i[:, k]) outer B_i[:, k],     c = alpha / N / sqrt(r)  (one Python float)
-
-accumulated in fp32 one rank-1 outer product at a time, in logged order, each product rounded once then added:
-element-wise operations only (no matmul whose summation order depends on the BLAS, the device or the thread
-count), so a replay of the logged UpdateSpecs rebuilds the center bit for bit anywhere, as es_update does.
+on the fp32 center, one rank-1 product at a time in logged order, element-wise only (no BLAS summation order), so
+a replay of the logged UpdateSpecs rebuilds the center bit for bit anywhere. Ours, not EGGROLL's: the vectors'
+treatment, one E for a tied embedding / lm_head, and this summation order (docs/lowrank.md).
 """
 
 from __future__ import annotations

@@ -1,46 +1,14 @@
-"""Seeded ES directions eps(seed, tensor name), rebuilt on demand where the tensor lives.
+"""Seeded ES directions eps(seed, tensor name), rebuilt on demand where the tensor lives (config ``es.noise``).
 
-A run records its generator (config ``es.noise``; a run folder written before the key existed is
-``legacy-cpu``, esbatch/config/run.py:load_run_config), so an old run resumes with the directions it was
-trained with while new runs get the counter-based generator.
+``philox-gauss`` (default), ``philox-rademacher``: eps of element i, a pure function of (seed, name, i), is
 
-``philox-gauss`` (the default) and ``philox-rademacher``: eps of element i of tensor ``name`` in direction
-``seed`` is a pure function of (seed, name, i), computed on the tensor's device in chunks of ``CHUNK``
-elements, so no host round trip and no fp32 copy of a whole large tensor:
+    w = word i % 4 of Philox4x32-10(counter = i // 4, key = tensor_seed(seed, name))
+    gauss: (-1)^(w >> 31) * z(w & 0x7FFFFFFF)        rademacher: -1 if w >> 31 else +1
 
-    key     = tensor_seed(seed, name)  (blake2b, 64 bits) split into two 32-bit words (lo, hi)
-    counter = (i // 4 mod 2^32, i // 4 >> 32, 0, 0)
-    w       = word i % 4 of Philox4x32-10(counter, key)          (Salmon et al. 2011, Random123)
-    gauss:  eps = (-1)^(w >> 31) * z(w & 0x7FFFFFFF)             z: the half-normal quantile below
-    rademacher: eps = -1 if w >> 31 else +1
-
-Bit identity across devices and backends: Philox is 32-bit integer arithmetic, done here in int64 tensors
-without ever overflowing int64 (32x32 products are split into 16-bit halves, ``_mulhilo``), so every device
-computes the same words. The Gaussian transform is integer arithmetic too: z(m) = -Phi^{-1}((m + 0.5) / 2^32)
-is read from a fixed-point table (``TABLE_FILE``, int32, scale 2^28) and interpolated linearly in integers:
-m < 1024 has one entry per m; above, octave k = floor(log2 m) (integer binary search) has 1024 equal sub-bins,
-so with sh = max(k - 10, 0):
-
-    idx = (m >> sh) + 1025 * sh,   f = m & (2^sh - 1),   z = T[idx] + ((T[idx+1] - T[idx]) * f >> sh)
-
-(|T[idx+1] - T[idx]| * f < 2^48: no overflow). The only float operations are one int32 -> fp32 conversion
-(correctly rounded on CPU and CUDA) and a multiplication by 2^-28 (exact), so no FMA contraction, libm or
-compiler flag can change a direction. The table is a committed file (libm differences in regenerating it must
-not silently change directions): ``build_table`` regenerates it from the stdlib's inverse normal CDF and its
-sha256 is checked on load (``TABLE_SHA256``). Table plus interpolation are at most 5.1e-8 from the exact
-quantile (measured), below half an fp32 ulp of eps near 1; the largest |eps| is z(0) = 6.34. Checked element for
-element against an independent numpy implementation (tests/noise_reference.py).
-
-Speed: on the CPU a small C kernel (``CPU_SOURCE``, built on first use with the system compiler and cached,
-run over torch's CPU threads through ctypes) with AVX-512 and AVX2 paths chosen at run time (no -march, so one
-cached binary serves every x86-64 CPU sharing the cache) and a scalar path of the same bits (other CPUs, ragged
-ends; ``ESBATCH_NOISE_SIMD=1`` caps the paths at AVX2, ``=0`` at scalar); on CUDA ``_blocks`` compiled by
-torch.compile (Triton), untested where no GPU was at hand. ``ESBATCH_NOISE_FAST=0``, or no compiler, leaves
-the eager torch path: the same bits, about 100x slower. Figures: benchmarks/noise.py, docs/noise.md.
-
-``legacy-cpu``: the generator of runs made before ``es.noise``: torch.randn on a CPU torch.Generator seeded
-with tensor_seed, fp32, whole tensor at once (torch's CPU normal sampler depends on the tensor's size, so it
-cannot be chunked); callers keep its arithmetic on the CPU, as it was, so old runs resume bit for bit.
+with z read from a committed fixed-point quantile table (``TABLE_FILE``, sha256-checked) in integer arithmetic, so
+every device and backend draws the same bits (C kernel ``CPU_SOURCE`` on CPU, ``_blocks`` via torch.compile on CUDA,
+eager torch otherwise; chunks of ``CHUNK``). ``legacy-cpu``: torch.randn on a CPU generator seeded with tensor_seed,
+whole tensors; runs recorded without ``es.noise`` load as it. Our choice: the paper names no generator (docs/noise.md).
 """
 
 from __future__ import annotations
@@ -83,7 +51,8 @@ _MASK32 = 0xFFFFFFFF
 
 
 def tensor_seed(seed: int, name: str) -> int:
-    """64-bit generator seed for one tensor of direction ``seed`` (a 32-bit integer)."""
+    """63-bit generator seed (blake2b of seed and name, top bit cleared) for one tensor of direction ``seed`` (a
+    32-bit integer)."""
     if not 0 <= seed < 2**32:
         raise ValueError(f"direction seeds are 32-bit unsigned integers, got {seed}")
     digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()

@@ -1,31 +1,12 @@
 """Live weights whose fp32 center is kept away from them: ``es.master: host`` and ``es.master: disk``.
 
-``es.master: device`` (esbatch/perturb/centered.py, the default) keeps the fp32 center next to the weights:
-+4 bytes/param where the model runs, +4 more for theta_0 when drift is tracked. That is 56 GB on top of a
-7B model's 15 GB of bf16 weights on an 80 GB card. The two layouts here give the same bits (perturbation,
-restore, update, center; tests/unit/test_offload.py) with less memory where the weights live:
-
-    bytes per parameter             weights' device          host RAM               disk (page cache)
-    device (centered.py)            c + 4 (+4 theta_0)       -                      -
-    host                            c + c                    4 (+4 theta_0)         -
-    disk                            c                        chunks only            4 (+4 theta_0)
-
-with c the compute dtype's size (2 for bf16/fp16, 4 for fp32). ``host`` is the GPU layout: the fp32 center
-in host memory (pinned when the weights are on CUDA, so copies are DMA), a compute-dtype copy of the center
-next to the weights so that restore() is a device-local copy, and the center read once per perturbation and
-read and written once per update, ``CHUNK`` elements at a time. Accelerator memory is then inference + c
-bytes/param (inference + 2 in bf16). On a CPU host and device are the same memory, so ``host`` only adds a copy
-there; ``disk`` is the CPU layout (and the one for a host short of RAM): the fp32 center lives in an unlinked
-scratch file (gone when the process ends, even on SIGKILL) in ``folder`` (default: $TMPDIR, node-local on
-most clusters) and is read and written with pread/pwrite, so the process holds only the weights and a few
-chunk buffers; the file's pages sit in the kernel's page cache, which the kernel may evict and re-read.
-Costs: per member one read of the center (4 bytes/param) for the perturbation, one for ``disk``'s restore,
-and per update one read and one write; figures in docs/benchmarks.md (benchmarks/es_overhead.py --master).
-
-Arithmetic: every element goes through the operations of centered.py in the same order (perturb: eps *
-scale + center, rounded once to the compute dtype; restore: the center rounded to the compute dtype; update:
-update.step_chunk added to the fp32 center), so the three layouts agree bit for bit. Only the float64 norms
-(rel_distance, checksum) are summed chunk by chunk, and may differ from centered.py in their last bits.
+Same bits as ``es.master: device`` (esbatch/perturb/centered.py), less memory where the weights live (bytes per
+parameter: docs/architecture.md). ``HostStore`` (``host``, the GPU layout): the fp32 center in host memory, pinned
+on CUDA, plus a compute-dtype copy next to the weights so restore() stays on the device. ``DiskStore`` (``disk``,
+the CPU layout, or a host short of RAM): the fp32 center in an unlinked scratch file in ``folder`` (default
+$TMPDIR), read and written with pread/pwrite. Both go ``CHUNK`` elements at a time through centered.py's operations
+in the same order, so the layouts agree bit for bit (tests/unit/test_offload.py); only the float64 norms
+(rel_distance, checksum), summed chunk by chunk, may differ in their last bits.
 """
 
 from __future__ import annotations

@@ -1,36 +1,14 @@
-"""Run untrusted, model-generated Python (e.g. MBPP answers) in a contained child process.
+"""Run untrusted, model-generated Python (e.g. MBPP answers) in a contained child process (``run_python``).
 
-Each layer stops a specific way a program can hurt the evaluator, the user or the machine (``_launcher`` has
-the process tree; ``isolation_report()`` says which layers are in force here, to log with a run):
-
-- Its own user: a user namespace (unprivileged evaluator) or a uid of its own (root evaluator, from a block
-  of uids locked per evaluator, see ``_uids``, so two evaluators never share one). Inside, the program gets a
-  nested user namespace of its own in which no further one may be made, no capability, an empty bounding set,
-  ``no_new_privs`` (setuid binaries gain nothing) and a fresh session keyring (not the evaluator's keys).
-  RLIMIT_NPROC then counts only the program's tasks: a fork or thread bomb stops at ``max_procs``.
-- A PID namespace with a fresh /proc: the program sees no other process (not the evaluator's environ or
-  command line), ``kill(getppid())`` and ``kill(-1)`` reach only its own tree, and when its main process
-  exits, the namespace's init exits and the kernel kills everything left (setsid double forks, children
-  sleeping past the end). The wall-time limit SIGKILLs that init from outside, which nothing inside can block.
-- The tree limited together: a per-run cgroup (memory + pids, ``_cgroup``) where one can be made, else init
-  polls the memory of the namespace's processes every 10 ms; either way the whole tree is killed above the
-  limit (reason "memory"). RLIMIT_AS, CPU time and file size per process on top.
-- A mount namespace: the working folder is a fresh tmpfs capped in bytes and inodes (neither one big file nor
-  many small ones fill a disk); $HOME, /root, /home, /tmp, /var/tmp, /dev/shm, /dev/pts, /run (and the
-  folders in ``ESBATCH_SANDBOX_HIDE``, colon-separated) are covered by empty read-only tmpfs, so private
-  files, terminals and the sockets of agents and databases are out of reach; every other mount is
-  read-only. The interpreter's own folders are bound back read-only when they lie in a hidden one.
-- A network namespace with its loopback down (no network, no abstract unix sockets), and an IPC one.
-- A minimal environment (none of the evaluator's tokens or keys); stdin is /dev/null; stdout/stderr are read
-  incrementally and only the first ``max_output`` bytes kept.
-
-Where the kernel refuses the namespaces, ``run_python`` refuses to run code (``SandboxError``, a RuntimeError)
-unless the caller passes ``allow_unconfined=True``: then only the rlimits, the new session (killed as a group)
-and, for root, the separate uid remain; results say ``isolated=False`` and a warning is given once. What stays
-reachable: files readable by the evaluator's user (and its groups) outside the hidden folders, read-only; in
-accounting mode, memory a program holds without mapping it (memfd or pipe buffers, each file at most
-``file_size_mb``) escapes the tree total. This is no defence against kernel exploits (use a VM, gVisor or
-nsjail for that).
+Layers (process tree: ``_launcher``; ``isolation_report()`` says which are in force, to log with a run):
+- its own user (user namespace, or for a root evaluator a uid locked per evaluator, ``_uids``): no capabilities,
+  ``no_new_privs``, no further user namespace, a fresh keyring; RLIMIT_NPROC caps its tasks at ``max_procs``;
+- a PID namespace: it sees no other process; its exit, or the wall-time SIGKILL of init, kills the whole tree;
+- a cgroup capping the tree's memory and pids (``_cgroup``; else init polls memory), plus per-process rlimits;
+- mount, network (loopback down) and IPC namespaces: a capped tmpfs working folder, $HOME, /tmp, /run, ... and
+  ``ESBATCH_SANDBOX_HIDE`` (colon-separated) hidden, all else read-only; a minimal environment, stdin /dev/null.
+Where namespaces are refused it raises ``SandboxError`` unless ``allow_unconfined=True`` (rlimits, session and uid
+only; results say ``isolated=False``). No defence against kernel exploits; what stays reachable: docs/limits.md.
 """
 
 from __future__ import annotations

@@ -3,23 +3,12 @@ arrives on stdin: an 8-byte length, then the ``marshal``-ed dict).
 
     evaluator -> launcher (the evaluator's PID namespace) -> init (pid 1 of a new PID namespace) -> program
 
-- The launcher enters new user (unless root), PID, network, mount and IPC namespaces, forks init, and turns the
-  evaluator's kill request (SIGTERM) into a SIGKILL for init: the only signals init gets are SIGKILL from
-  outside its namespace and those it has a handler for, so nothing inside can stop it. It exits once init is
-  reaped; by then the kernel has killed and reaped every process of the namespace.
-- init builds the program's view of the file system, forks the program, reaps every process that is
-  re-parented to it, polls the tree's memory when no cgroup limits it, and exits as soon as the program's main
-  process exits: the kernel then kills whatever the program left behind (daemons, setsid double forks).
-- The program's process joins its cgroup, drops the capability bounding set, its uid (root evaluators), gains
-  no new privileges (setuid binaries), takes its rlimits and execs.
-
-Reports reach the evaluator on the status pipe, one line each: ``init PID`` (init as the evaluator sees it),
-``report REPR`` (a dict, for ``ast.literal_eval``), ``error TEXT`` (setup failed: the program did not run),
-``memory BYTES`` (the tree went over the limit and was killed), ``peak BYTES``, ``status WAITSTATUS`` (how the
-program's main process ended). The program never holds the pipe, so it cannot forge them.
-
-Standard library only: an unprivileged evaluator may run this file with a system interpreter. It imports only
-modules that load fast (no json, re or enum: those cost tens of milliseconds at every start).
+The launcher enters the namespaces, forks init and turns the evaluator's SIGTERM into a SIGKILL for init; init builds
+the program's file system view, forks it, reaps orphans, polls memory when no cgroup limits it, and exits with the
+program's main process (the kernel then kills the rest); the program drops its privileges, takes its rlimits, execs.
+Reports reach the evaluator on a status pipe the program never holds, one line each: ``init PID``, ``report REPR``,
+``error TEXT``, ``memory BYTES``, ``peak BYTES``, ``status WAITSTATUS``. Standard library only, and only modules that
+load fast (no json, re or enum): an unprivileged evaluator may run this file with a system interpreter.
 """
 
 from __future__ import annotations

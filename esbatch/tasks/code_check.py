@@ -1,26 +1,13 @@
 """Checking model-written code against dataset asserts without letting the code see or grade its own tests.
 
-Why: ES and GRPO maximise whatever the verifier rewards. Running ``solution + asserts`` in one process and
-reading its exit code rewards any program that fakes the exit code (it can read the expected code from its
-own file), returns an object whose ``__eq__`` is always True, patches ``builtins`` or ``AssertionError``, or
-exits early. So the asserts are split in two, and only the half that needs the solution runs next to it:
-
-1. Plan (here, trusted): each assert of the test list is parsed with ``ast``; every outermost call of a
-   solution name (``f(x)``, ``Cls(1).m()``), and every other bare solution name, becomes a placeholder
-   ``__v[i]``. A solution name is one not bound by the test setup and not a builtin (unless the reference
-   solution itself defines it, as MBPP 126 does with ``sum``); a stdlib module used only as ``mod.attr``
-   (``sys.getsizeof``) is imported by the setup instead.
-2. Harness (sandbox, untrusted): exec the setup and the solution in a fresh namespace, evaluate only the
-   placeholder expressions (``similar_elements((3, 4), (4, 5))``: no expected value, no comparison), encode
-   each value as tagged JSON of plain built-ins with *exact* types (an ``int`` subclass, a class with its own
-   ``__eq__``, a module: "error"), and write one marked line to a private copy of stdout; fd 1 points at
-   /dev/null, so the solution's own prints cannot push the line out of the captured output.
-3. Judge (one sandbox run per batch, trusted code only): decode the values (plain built-ins only; malformed
-   input fails the response) and evaluate each rewritten assert with ``__v`` bound; an assert that uses an
-   errored placeholder fails. A response passes iff every assert is truthy.
-
-A solution can still forge the result line, but it never sees the expected values, so a forged line is only a
-claim about its own return values. The exit code and the solution's stdout decide nothing.
+Running ``solution + asserts`` and reading the exit code rewards faking it (early exit, patched ``builtins`` or
+``AssertionError``, an ``__eq__`` that is always True), so the asserts are split in three steps:
+1. Plan (trusted): each assert is parsed with ``ast``; each outermost call of a solution name, and each other bare
+   solution name (not bound by the setup, not a builtin unless the reference solution defines it), becomes ``__v[i]``.
+2. Harness (sandbox): run setup and solution, evaluate only the placeholders, and write their values, as tagged JSON
+   of plain built-ins with exact types, on one marked line of a private stdout (fd 1 is /dev/null).
+3. Judge (sandbox runs over a batch's values, trusted code only): decode them and evaluate each rewritten assert; a
+   response passes iff all are truthy. A forged line only claims return values; the expected ones are never seen.
 """
 
 from __future__ import annotations

@@ -1,34 +1,14 @@
 """Countdown-Task-GOLD (HuggingFaceTB, 2025): the Countdown held-out task of the Easy Setting (App. G.5, G.6).
 
-The paper: "Countdown uses the role/content messages distributed with the dataset and renders them without
-rewriting the task statement"; answers go in ``<answer>`` tags and are scored by :func:`check_countdown`
-(each given number exactly once, ``+ - * /`` and parentheses, exact rational arithmetic).
-
-Hub id and schema. The paper cites "HuggingFaceTB Countdown-task-gold" (a Hugging Face dataset) without an
-id; the id ``HuggingFaceTB/Countdown-Task-GOLD`` and the schema below come from public code that loads it,
-because the dataset card could not be read from this machine (no hub access): huggingface/trl
-``docs/source/gold_trainer.md`` (config ``verified_Qwen2.5-0.5B-Instruct``, split ``train``), a TRL-based
-``countdown_eval.py`` pointing to the HuggingFaceH4 on-policy-distillation write-up (config ``test``, split
-``test``; ``prompt`` rendered with ``apply_chat_template``, its system turn replaced only on request; ``nums``,
-``target``; 500 problems drawn with a seed by default), and several evaluation and data scripts that read the
-same fields (``prompt[0]`` system, ``prompt[1]`` user; ``all`` / ``verified_*`` rows with ``messages``):
-
-* config ``test``, split ``test`` (the default here): ``prompt`` = the chat messages, a list of
-  ``{"role", "content"}`` (system, then user: "Using the numbers [..], create an equation that equals T. ...
-  return the final equation and answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 = 1
-  </answer>."), ``nums`` (list of int) and ``target`` (int);
-* config ``all`` and ``verified_<teacher model>`` (e.g. ``verified_Qwen2.5-7B-Instruct``), split ``train``:
-  ``nums``, ``target`` and ``messages`` (the verified ones end with the teacher's correct assistant turn).
-
-Assumed, not confirmed against the card: the field names are exactly ``prompt`` / ``messages``, ``nums`` and
-``target`` (every script read them so), the messages may also be stored as a JSON string (accepted), and the
-``test`` split is the evaluation set (those scripts evaluate on it). Either message field is read; the
-prompt is every message before the first assistant turn, and that assistant turn (verified configs) is the
-row's worked solution, usable as a few-shot demonstration through ``demo_path``.
-
-A local ``data_path`` (jsonl/json/parquet/csv, rows in the same schema) replaces the hub. Evaluation-only,
-like the other held-out benchmarks (:class:`esbatch.tasks.math_tasks.BenchmarkTask`): ``limit`` picks a
-seeded random subset; there is no training split. The offline ``countdown`` task (reasoning-gym) stays.
+As the paper says, the dataset's role/content messages are rendered without rewriting; the ``<answer>`` equation
+is scored by :func:`check_countdown` (each number once, ``+ - * /``, parentheses, exact rational arithmetic).
+The paper gives no hub id: ``HUB_ID`` and the schema come from public code that loads it (TRL's GOLD trainer docs,
+evaluation scripts), not from the dataset card. Config ``test``, split ``test`` (default): ``prompt`` (system and
+user messages), ``nums``, ``target``; configs ``all`` / ``verified_<teacher>``, split ``train``: ``messages``, the
+verified ones ending in the teacher's assistant turn (a demonstration through ``demo_path``). Messages may be a
+JSON string; the prompt is every message before the first assistant turn. Evaluation only, like
+:class:`esbatch.tasks.math_tasks.BenchmarkTask` (``limit``: a seeded subset); a local ``data_path`` in the same
+schema replaces the hub.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 r"""Mathematical equivalence of final answers (MATH-500, AIME, AMC, DeepScaleR) through ``math-verify``.
 
-Why a worker process: sympy can take unbounded time (and memory) on adversarial answers such as
-``9^{9^{9^{9}}}``. math-verify's own time limit uses ``signal.alarm``, which only works on the main thread,
-while the evaluator scores responses from a thread pool. So math-verify runs here with its own timeouts
-disabled (``parsing_timeout=None``, ``timeout_seconds=None``) inside small persistent worker processes; the
-calling thread waits at most ``timeout_s`` for the answer, and on a timeout the worker is killed (the only
-way to stop sympy) and the comparison counts as *not equal*, with a warning and a count in
-:func:`timeout_count`. Any number of threads may call in at once: each call checks out its own worker.
-Results (timeouts included) are memoized per (pred, gold), since Maj@K repeats answers.
-
-Cheap cases never leave the calling process:
-
-* both sides are plain numbers (``parse_number``: ``1,000``, ``007``, ``\frac{1}{2}``, ``0.5``, ``1/2``,
-  ``$5``, ``5 \text{ cm}``, ``x = 3``): compared exactly as fractions (so ``0.333333 != 1/3``; ``%`` is
-  dropped, ``50\%`` == 50). Bare letters outside ``\text{}`` (``3x``, ``5 m``) are *not* plain numbers:
-  math-verify decides those (it knows units like ``m``/``cm``; ``3x`` is a product);
-* identical strings up to whitespace.
-
-Everything else (``\dfrac12``, ``\sqrt{2}/2`` vs ``\frac{\sqrt2}{2}``, intervals, sets, tuples, ``y = 2x + 3``,
-``30^\circ``, ``\text{Evelyn}``, symbolic expressions) goes to math-verify: ``verify(parse(gold), parse(pred))``
-with both sides wrapped in ``\boxed{}`` so its LaTeX extraction takes the whole string.
-An answer longer than ``MAX_ANSWER_CHARS`` never reaches math-verify (it is compared as a string only): no
-gold answer is that long, and sympy on 100 kB of adversarial LaTeX would spend the whole timeout and fill the
-memo caches.
+Cheap cases stay in process: two plain numbers (``parse_number``: ``1,000``, ``\frac{1}{2}``, ``$5``,
+``5 \text{ cm}``, ``x = 3``; bare letters outside ``\text{}`` make an answer not plain) compare exactly as fractions
+(``0.333333 != 1/3``, ``50\%`` == 50); strings identical up to whitespace are equal; an answer longer than
+``MAX_ANSWER_CHARS`` (no gold answer is) is compared as a string only. Everything else is
+``verify(parse(gold), parse(pred))``, both wrapped in ``\boxed{}``, in persistent worker processes (sympy can run
+unbounded; math-verify's signal-based limits need the main thread): a call waits at most ``timeout_s``, then kills
+the worker and counts *not equal* (:func:`timeout_count`). Any number of threads may call at once; results
+(timeouts included) are memoized per (pred, gold), since Maj@K repeats answers.
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """Per-update FLOP accounting of ES and GRPO, and the population/group sizes that match them (paper Sec. 3.2, App. G.2).
 
-Convention (Kaplan et al., 2020): a forward pass costs 2P FLOPs per token (one multiply-add per weight)
-and a backward pass 4P, so a training step costs 6P per token. P is ALL parameters, as
-``sum(p.numel())`` counts them; this slightly overstates the input-embedding lookup (not a matmul) and,
-like the 2P rule itself, ignores the attention-score FLOPs (~2 n_layer n_ctx d_model per token). Both
-omissions scale with the same token counts on both sides, so they do not move the matched N or G.
-A generated response costs a forward over its prompt (prefill) and each generated token (KV cache):
-2P (L_p + L_g). Prompts are not shared across samples (no prefix caching). With L = L_p + L_g:
+A forward pass costs 2P FLOPs per token, a backward 4P (Kaplan et al., 2020; P = all parameters, attention scores
+ignored); a response costs 2P L, L = L_p + L_g (no prefix caching). Per update:
 
-ES, one update (App. G.1): N members each generate one response to each of the B prompts, forward only.
-    generation       2 P N B L
-    perturb+restore  4 P N        theta += sigma eps_i, then -= sigma eps_i (one multiply-add each)
-    update           2 P N        theta += alpha/N sum_i z_i eps_i (one multiply-add per direction)
-GRPO, one generated batch: G responses to each of B prompts, then mu = grpo.iterations optimizer steps on
-them (TRL num_iterations; mu = 1 is one optimizer step per generation batch, TRL's default).
-    generation       2 P G B L
-    old_logprobs     2 P G B L    when old log-probs are recomputed (verl) and whenever mu > 1 (TRL, esbatch):
-                                  one forward before the first inner step, stored for all mu
-    reference        2 P G B L    only when beta > 0 (TRL loads no reference model at beta = 0); once per batch
-    train_fwd_bwd    mu 6 P G B L one forward + backward per inner step (micro-batching does not change it)
-    optimizer        mu 12 P      AdamW ~10-14 FLOPs/param (moments, bias correction, sqrt, divide, decay)
-Gaussian noise generation (ES) and gradient clipping (GRPO) are not counted.
+    ES (App. G.1)   generation 2PNBL + perturb/restore 4PN + update 2PN
+    GRPO            generation 2PGBL [+ old_logprobs 2PGBL: recomputed, or mu > 1] [+ reference 2PGBL: beta > 0]
+                    + train_fwd_bwd mu 6PGBL + optimizer mu 12P (AdamW)        mu = grpo.iterations
 
-The model passes dominate: with equal B and L, no reference and no recomputed old log-probs,
-2 N = 8 G, so N = 32 matches G = 8 exactly -- the paper's pairing. The per-parameter terms add about
-3 / (B L) to the ES total (7e-5 at B = 32, L = 1280), so the match of totals is exact only to that level.
+Noise generation (ES) and gradient clipping (GRPO) are not counted. On the model passes 2N = 8G, so N = 32
+matches G = 8, the paper's pairing; the per-parameter terms make the match of totals approximate.
 """
 
 from __future__ import annotations

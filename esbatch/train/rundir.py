@@ -1,26 +1,10 @@
 """A run folder: everything needed to follow, evaluate and resume a run, for every algorithm.
 
-    config.yaml           the resolved config
-    log.jsonl             one line per finished update (ES: seeds, rewards, weights; every algorithm: metrics)
-    eval.jsonl            held-out scores of the weights after update t
-    center.safetensors    the center after update t (t in its metadata), written atomically: fp32, or with
-                          es.restore: inplace the live compute-dtype weights (no fp32 master exists)
-    final_model/          the final model in the compute dtype as an HF folder (checkpoint.center: final, or
-                          tracking.log_model), with esbatch-export.json: {"t": the update it holds}
-    snapshots/            center-<T>.safetensors: the center after update T, same format (checkpoint.snapshots,
-                          or rebuilt from the log by `esbatch center RUN --at T`)
-    run.json              status, algorithm, budget, progress, MLflow run id and tracking URI
-    ds_checkpoint/        GRPO: DeepSpeed's optimizer + weights checkpoints
-    stage<k>-<algo>/      pipelines: one run folder per stage
-    task.log              a sweep task's output (local launcher)
-    mlflow.db             offline tracking: this run's private MLflow store
-    analysis/drift/       `esbatch analyze drift`: drift from theta_0 (esbatch/analyze)
-    thresholded/tau-<T>/  `esbatch threshold`: magnitude-thresholded centers, each evaluable like a run folder
-
-Every file name is spelled here once. Readers (status, plot, aggregate) never change a file. Resume
-refuses to guess (``check_resume``): it accepts a torn last line (an update whose write a kill cut short,
-not yet applied: redone once) and nothing else that does not add up; only then does the trainer cut the
-torn line (``repair_log``).
+``RunDir`` spells every file name once (layout: docs/architecture.md, "The run folder"); center files are written
+atomically with their update t in the metadata, and final_model/ holds esbatch-export.json, {"t": the update it
+holds}. Readers (status, plot, aggregate) never change a file. Resume refuses to guess (``check_resume``): it
+accepts a torn last line of log.jsonl (an update a kill cut short, not yet applied: redone once) and nothing else
+that does not add up; only then does the trainer cut the torn line (``repair_log``).
 """
 
 from __future__ import annotations
