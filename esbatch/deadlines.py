@@ -7,6 +7,7 @@ deadline (esbatch/train/watchdog.py) reads both when it ends a run.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,6 +27,22 @@ def forget(fn: Callable[[str], None]) -> None:
     """Unregister a ``before_exit`` function (its resources are gone)."""
     if fn in _before_exit:
         _before_exit.remove(fn)
+
+
+def waits() -> list[str]:
+    """What every thread is blocked on now (see ``waiting_on``)."""
+    with _waits_lock:
+        return list(_waits.values())
+
+
+def run_before_exit(what: str) -> None:
+    """Run every ``before_exit`` function with ``what`` (the phase that hung); one that raises (submitit's requeue
+    ends with SystemExit) is reported and the rest still run: nothing may stop the exit."""
+    for fn in list(_before_exit):
+        try:
+            fn(what)
+        except BaseException as e:  # noqa: BLE001
+            print(f"esbatch: after the hang: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 @contextmanager

@@ -129,7 +129,7 @@ def aggregate(sweep_dir: str | Path) -> Path:
     from mlflow.tracking import MlflowClient
 
     from esbatch.aggregate.report import default_analyses, parse_analyses, write_report
-    from esbatch.tracking.mlflow_tracker import _sqlite_lock
+    from esbatch.tracking.mlflow_tracker import sqlite_lock
 
     sd = SweepDir(sweep_dir)
     if not sd.exists():
@@ -149,7 +149,7 @@ def aggregate(sweep_dir: str | Path) -> Path:
             analyses = [*default_eval_analyses(evals), *analyses]
     write_report(runs, analyses, sd.results, title=f"sweep {meta['name']}", evals=evals)
     if meta.get("parent_run_id"):
-        with _sqlite_lock(meta["tracking_uri"]):
+        with sqlite_lock(meta["tracking_uri"]):
             client = MlflowClient(tracking_uri=meta["tracking_uri"])
             client.log_artifacts(meta["parent_run_id"], str(sd.results), "results")
             jobs = [s["job_id"] for s in meta.get("submissions", []) if s.get("kind") == "slurm"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from esbatch.tracking.mlflow_tracker import _sqlite_lock
+from esbatch.tracking.mlflow_tracker import sqlite_lock
 
 
 def find_child(client: Any, experiment_id: str, sweep: str, key: str) -> Any | None:
@@ -31,7 +31,7 @@ def merge_run(
 
     src = MlflowClient(tracking_uri=src_uri)
     run = src.get_run(src_run_id)
-    with _sqlite_lock(dst_uri):
+    with sqlite_lock(dst_uri):
         dst = MlflowClient(tracking_uri=dst_uri)
         existing = find_child(dst, experiment_id, sweep, key)
         tags = {k: v for k, v in run.data.tags.items() if not k.startswith("mlflow.") or k == "mlflow.runName"}

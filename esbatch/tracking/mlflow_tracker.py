@@ -25,7 +25,7 @@ import esbatch
 
 
 @contextlib.contextmanager
-def _sqlite_lock(uri: str) -> Iterator[None]:
+def sqlite_lock(uri: str) -> Iterator[None]:
     """An exclusive file lock beside a sqlite store while it is opened (and possibly created: from the empty-store
     template, ``seed_sqlite``)."""
     if not uri.startswith("sqlite:///"):
@@ -150,7 +150,7 @@ class MLflowTracker:
         from mlflow.tracking import MlflowClient
 
         self.mlflow, self.uri = mlflow, uri
-        with _sqlite_lock(uri):  # concurrent first use of one sqlite file races on schema creation
+        with sqlite_lock(uri):  # concurrent first use of one sqlite file races on schema creation
             self.client = MlflowClient(tracking_uri=uri)
             self.experiment_id = self._experiment(experiment, uri, artifact_root)
         self.run_id: str | None = None
@@ -202,7 +202,7 @@ class MLflowTracker:
 
     def _lock(self) -> contextlib.AbstractContextManager[None]:
         """Writers to one sqlite file take turns (many array tasks may log at once); servers need no lock."""
-        return _sqlite_lock(self.uri)
+        return sqlite_lock(self.uri)
 
     def last_step(self, key: str) -> int:
         """Largest step logged for ``key`` (-1 if none): lets a resumed run log each step exactly once."""
@@ -262,7 +262,7 @@ def log_artifacts_to(uri: str, run_id: str, path: str | Path, artifact_path: str
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     from mlflow.tracking import MlflowClient
 
-    with _sqlite_lock(uri):
+    with sqlite_lock(uri):
         client = MlflowClient(tracking_uri=uri)
         client.get_run(run_id)  # a run missing from this store is an error, not a new run
         client.log_artifacts(run_id, str(path), artifact_path)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from esbatch.deadlines import _before_exit, _waits, _waits_lock, before_exit, forget, waiting_on
+from esbatch.deadlines import before_exit, forget, run_before_exit, waiting_on, waits
 
 EXIT_HUNG = 75  # EX_TEMPFAIL: try again (the sweep resubmits, a SLURM task requeues)
 __all__ = ["EXIT_HUNG", "Watchdog", "before_exit", "forget", "waiting_on"]
@@ -91,15 +91,10 @@ def _exit_hung(what: str, limit_s: float) -> None:
         file=sys.stderr,
         flush=True,
     )
-    with _waits_lock:
-        waits = list(_waits.values())
-    if waits:
-        print(f"esbatch: hung: waiting on {'; '.join(waits)}", file=sys.stderr, flush=True)
+    blocked = waits()
+    if blocked:
+        print(f"esbatch: hung: waiting on {'; '.join(blocked)}", file=sys.stderr, flush=True)
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    for fn in _before_exit:
-        try:
-            fn(what)
-        except BaseException as e:  # noqa: BLE001 - submitit's requeue ends with SystemExit; nothing may stop the exit
-            print(f"esbatch: after the hang: {type(e).__name__}: {e}", file=sys.stderr)
+    run_before_exit(what)
     sys.stderr.flush()
     os._exit(EXIT_HUNG)  # the main thread may be stuck in C code: nothing else reliably ends it
