@@ -19,6 +19,8 @@ from typing import Any
 
 from esbatch.config.eval import EvalConfig, EvalTask
 from esbatch.metrics import pass_at_k
+from esbatch.tasks import TASKS
+from esbatch.tasks.base import Example
 from esbatch.train import stop
 from esbatch.train.rundir import RunDir, RunFolderError, read_jsonl
 from esbatch.train.taskeval import few_shot_demos, score_responses, task_metrics  # shared with in-training evals
@@ -180,7 +182,6 @@ def run_task(cfg: EvalConfig, et: EvalTask, gen: Any, ed: EvalDir, progress: boo
     from tqdm.auto import tqdm
 
     from esbatch.backends.base import SamplingParams
-    from esbatch.tasks import TASKS
 
     label = et.label or et.name
     task = TASKS.get(et.name)(et.data_path, **et.params)
@@ -237,9 +238,6 @@ def rescore(cfg: EvalConfig, et: EvalTask, ed: EvalDir) -> list[dict[str, Any]]:
     """Re-run the verifier over saved responses (after a verifier fix); returns the re-scored rows.
 
     The samples file stays as generation left it: the new verdicts go into the tables only."""
-    from esbatch.tasks import TASKS
-    from esbatch.tasks.base import Example
-
     label = et.label or et.name
     task = TASKS.get(et.name)(et.data_path, **et.params)
     rows = ed.read_samples(label)
@@ -421,8 +419,6 @@ def _yaml(d: dict[str, Any]) -> str:
 
 
 def _task_tags(cfg: EvalConfig) -> dict[str, str]:
-    from esbatch.tasks import TASKS
-
     tags: dict[str, str] = {}
     for et in cfg.task_list():
         tags.update(TASKS.get(et.name)(et.data_path, **et.params).tracking_tags())
