@@ -44,7 +44,7 @@ BACKENDS.add(
     },
 )
 
-_LAZY = ("Generation", "Generator", "ESBackend", "PopulationOutput", "SamplingParams", "UpdateStats")
+_LAZY = ("Generation", "Generator", "ESBackend", "PerturbedMember", "PopulationOutput", "SamplingParams", "UpdateStats")
 __all__ = ["BACKENDS", *_LAZY]
 
 

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,6 +29,16 @@ class SamplingParams:
     max_new_tokens: int = 256
     n: int = 1  # samples per prompt; a backend generates them in one call (prompt encoded once)
     entropy: bool = False  # also return each response's mean token entropy
+
+
+class PerturbedMember(NamedTuple):
+    """One population member as a backend evaluates it: theta = center + scale * eps(seed), responses sampled with
+    ``gen_seed`` (esbatch/es/core.py:Member with its signed scale, sign * sigma). A tuple: it unpacks as one and
+    travels to vLLM workers as one."""
+
+    seed: int
+    scale: float
+    gen_seed: int
 
 
 @dataclass
@@ -111,7 +121,7 @@ class ESBackend(Generator):
 
     def evaluate_population(
         self,
-        members: Sequence[tuple[int, float, int]],
+        members: Sequence[PerturbedMember],
         prompts: Sequence[str],
         sampling: SamplingParams,
         claim: Claim | None = None,

@@ -13,7 +13,15 @@ from typing import Any
 
 import torch
 
-from esbatch.backends.base import ESBackend, Generation, Generator, PopulationOutput, SamplingParams, UpdateStats
+from esbatch.backends.base import (
+    ESBackend,
+    Generation,
+    Generator,
+    PerturbedMember,
+    PopulationOutput,
+    SamplingParams,
+    UpdateStats,
+)
 from esbatch.backends.dispatch import Claim
 from esbatch.perturb import DEFAULT_NOISE, weights_for
 from esbatch.perturb.update import UpdateSpec
@@ -285,7 +293,7 @@ class HFLowRankBackend(HFBackend):
 
     def evaluate_population(
         self,
-        members: Sequence[tuple[int, float, int]],
+        members: Sequence[PerturbedMember],
         prompts: Sequence[str],
         sampling: SamplingParams,
         claim: Claim | None = None,

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from esbatch.backends.base import PopulationOutput, SamplingParams
+from esbatch.backends.base import PerturbedMember, PopulationOutput, SamplingParams
 from esbatch.perturb.lowrank import LowRankWeights
 
 
@@ -100,7 +100,7 @@ class LowRankPopulation:
             )
         return {m: s for m, s in sites.items() if s.weight or s.bias}
 
-    def _prepare(self, members: Sequence[tuple[int, float, int]]) -> _Batch:
+    def _prepare(self, members: Sequence[PerturbedMember]) -> _Batch:
         """Scaled factors and vector noise of ``members``, stacked per parameter, in the compute dtype."""
         batch = _Batch(len(members))
         mats, vecs = self.weights.population([(seed, s) for seed, s, _ in members])  # fp32, drawn at once
@@ -170,7 +170,7 @@ class LowRankPopulation:
 
     @torch.no_grad()
     def evaluate(
-        self, gen: Any, members: Sequence[tuple[int, float, int]], prompts: Sequence[str], sampling: SamplingParams
+        self, gen: Any, members: Sequence[PerturbedMember], prompts: Sequence[str], sampling: SamplingParams
     ) -> PopulationOutput:
         """Every member's responses (direction seed, scale, generation seed) from batched generate calls of
         ``gen`` (module docstring); generation_s is their wall time, perturb_restore_s the time drawing factors."""

@@ -29,7 +29,14 @@ import torch
 
 from esbatch import deadlines as watchdog  # the hang hooks the training watchdog runs
 from esbatch.backends import dispatch as dispatching  # the module: es.dispatch names the schedule here
-from esbatch.backends.base import ESBackend, Generation, PopulationOutput, SamplingParams, UpdateStats
+from esbatch.backends.base import (
+    ESBackend,
+    Generation,
+    PerturbedMember,
+    PopulationOutput,
+    SamplingParams,
+    UpdateStats,
+)
 from esbatch.perturb.noise import DEFAULT_NOISE
 from esbatch.perturb.update import UpdateSpec
 
@@ -316,7 +323,7 @@ class VLLMBackend(ESBackend):
 
     def evaluate_population(
         self,
-        members: Sequence[tuple[int, float, int]],
+        members: Sequence[PerturbedMember],
         prompts: Sequence[str],
         sampling: SamplingParams,
         claim: dispatching.Claim | None = None,
@@ -453,7 +460,7 @@ class VLLMLowRankBackend(VLLMBackend):
 
     def evaluate_population(
         self,
-        members: Sequence[tuple[int, float, int]],
+        members: Sequence[PerturbedMember],
         prompts: Sequence[str],
         sampling: SamplingParams,
         claim: dispatching.Claim | None = None,

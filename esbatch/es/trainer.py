@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from esbatch.backends import BACKENDS, ESBackend, SamplingParams
+from esbatch.backends import BACKENDS, ESBackend, PerturbedMember, SamplingParams
 from esbatch.es.core import Member, direction_weights, draw_population, normalize
 from esbatch.metrics import diversity_metrics
 from esbatch.perturb.update import UpdateSpec
@@ -51,7 +51,7 @@ def es_step(cfg: Any, backend: ESBackend, probs: Problems, t: int, ranks: Ranks 
     epoch, idx = batch_indices(cfg.run.seed, t, n, es.batch_size, schedule_start(n, cfg.run.data_before))
     prompts = [probs.train_prompts[i] for i in idx]
     members = draw_population(cfg.run.seed, t, es.population_size, es.estimator, es.generation_seeds)
-    scaled = [(m.seed, m.sign * es.sigma, m.gen_seed) for m in members]
+    scaled = [PerturbedMember(m.seed, m.sign * es.sigma, m.gen_seed) for m in members]
     if es.dispatch == "dynamic" and ranks.world > 1:  # the ranks take members from a shared counter
         pop = backend.evaluate_population(scaled, prompts, sampling, claim=ranks.claimer(len(members), f"es/{t}"))
         mine = pop.members
@@ -145,7 +145,10 @@ def population_success(
     if m > 1:
         extra = SamplingParams(gen.temperature, gen.top_p, gen.max_new_tokens, n=m - 1)
         pop = backend.evaluate_population(
-            [(members[i].seed, members[i].sign * es.sigma, diversity_seed(members[i].gen_seed)) for i in mine],
+            [
+                PerturbedMember(members[i].seed, members[i].sign * es.sigma, diversity_seed(members[i].gen_seed))
+                for i in mine
+            ],
             [probs.train_prompts[j] for j in idx],
             extra,
         )
