@@ -1,5 +1,6 @@
 """Truth tables for answer extraction and the App. G.1 math reward (1 / 0.1 / 0)."""
 
+import re
 from fractions import Fraction
 
 import pytest
@@ -125,6 +126,21 @@ def test_countdown_non_integer_targets_compare_exactly(target):
     assert check_countdown("<answer>3 / 2 = 3/2</answer>", [3, 2], target) is C
     assert check_countdown("<answer>3 - 2</answer>", [3, 2], target) is W  # 1, not 1.5
     assert check_countdown("<answer>3 / 2 = 1</answer>", [3, 2], target) is W
+
+
+@pytest.mark.parametrize("length, verdict", [(200, C), (201, W)])
+@pytest.mark.parametrize("tail", ["", " = 3"], ids=["bare", "with-target"])
+def test_countdown_answers_are_read_up_to_exactly_200_characters(length, verdict, tail):
+    """The length cap (a guard against huge expressions) at its boundary, with and without a trailing '= target'."""
+    expr = "1 +" + " " * (length - len("1 +2") - len(tail)) + "2" + tail
+    assert len(expr) == length
+    assert check_countdown(f"<answer>{expr}</answer>", [1, 2], 3) is verdict
+
+
+@pytest.mark.parametrize("target", [True, "abc", "1/0"])
+def test_a_countdown_target_that_is_no_number_is_refused_by_name(target):
+    with pytest.raises(ValueError, match=f"^Countdown target {re.escape(repr(target))} is not a number$"):
+        check_countdown("<answer>1 + 2</answer>", [1, 2], target)
 
 
 def test_countdown_float_targets_mean_their_decimal_value():
