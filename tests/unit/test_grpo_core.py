@@ -223,3 +223,19 @@ def test_aggregate_over_micro_batches_sums_to_the_whole_batch(mode):
     assert float(sum(means) / 3) != pytest.approx(float(whole), rel=1e-3)  # the mean of means is not it
     with pytest.raises(ValueError, match="n_seqs" if mode != "token_mean" else "n_tokens"):
         aggregate(per_token, mask, mode, **({"n_seqs": 8} if mode == "token_mean" else {"n_tokens": 5}))
+
+
+def test_micro_batch_aggregation_at_its_edges():
+    """A whole batch of one valid token (the n_tokens floor is 1, not more); sum-norm without max_len divides by
+    the micro-batch's width T (not B, and not None); the refusal names what is missing, word for word."""
+    per_token = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.75, 0.0, 0.0, 0.0], [0.0] * 5], dtype=torch.float64)
+    one = torch.zeros(3, 5, dtype=torch.long)
+    one[1, 1] = 1
+    assert float(aggregate(per_token, one, "token_mean", n_tokens=one.sum())) == 0.75
+    ragged = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    values = torch.arange(15, dtype=torch.float64).reshape(3, 5)
+    whole = aggregate(values, ragged, "seq_mean_token_sum_norm")  # divides by T = 5
+    assert float(aggregate(values, ragged, "seq_mean_token_sum_norm", n_seqs=3)) == pytest.approx(float(whole))
+    assert float(whole) == pytest.approx((0 + 1 + 5 + 6 + 7 + 8 + 9 + 10) / 3 / 5)
+    with pytest.raises(ValueError, match="^token_mean over micro-batches needs the whole batch's n_tokens$"):
+        aggregate(values, ragged, "token_mean", n_seqs=3)
