@@ -41,7 +41,7 @@ def run_before_exit(what: str) -> None:
     for fn in list(_before_exit):
         try:
             fn(what)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001 - submitit's requeue ends with SystemExit
             print(f"esbatch: after the hang: {type(e).__name__}: {e}", file=sys.stderr)
 
 

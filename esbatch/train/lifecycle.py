@@ -284,8 +284,10 @@ def run_updates(run: RunSession, trainer: Trainer, progress: bool) -> dict[str, 
         with run.watchdog.phase("restoring the checkpoint and replaying the log"):
             start, records = _restore(run, trainer)
         run.tags.update(trainer.tags())
-        run.start(total, n_train=trainer.n_train)  # rank 0: opens the MLflow run (untimed; measured ~40 s on a
-        run.log_missing_steps(records)  # loaded 2-core machine) and logs what the store missed
+        # rank 0 opens the MLflow run and logs what the store missed: untimed too (~40 s measured on a loaded
+        # 2-core machine), so the ranks meet again before the timed loop
+        run.start(total, n_train=trainer.n_train)
+        run.log_missing_steps(records)
         run.ranks.barrier()
         _train_loop(run, trainer, start, total, progress)
         if run.lead and run.cfg.tracking.log_model:
