@@ -113,7 +113,7 @@ class EvalSet:
         """(tasks shown, held-out tasks averaged) for analysis ``a`` (its ``tasks`` list, else every task)."""
         unknown = [t for t in a.tasks if t not in self.task_order]
         if unknown:
-            from esbatch.config.schema import ConfigError
+            from esbatch.schema import ConfigError
 
             raise ConfigError([f"{a.path or a.name}.tasks: no eval has {unknown}; task labels: {self.task_order}"])
         tasks = list(a.tasks) or self.task_order

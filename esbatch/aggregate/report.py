@@ -38,7 +38,7 @@ from esbatch.config.aggregate import (
     _is_num,
     parse_specs,
 )
-from esbatch.config.schema import ConfigError
+from esbatch.schema import ConfigError
 from esbatch.registry import did_you_mean
 
 SEED_KEYS = ("run.seed",)

@@ -24,7 +24,7 @@ from esbatch.config.run import (
     load_run_config,
     parse_overrides,
 )
-from esbatch.config.schema import ConfigError, deep_merge, describe, flatten, setting
+from esbatch.schema import ConfigError, deep_merge, describe, flatten, setting
 
 __all__ = [
     "RESUME_OVERRIDABLE",

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from esbatch.config.schema import REQUIRED, ConfigError, Invalid, Schema, build, expects, setting
+from esbatch.schema import REQUIRED, ConfigError, Invalid, Schema, build, expects, setting
 
 HELDOUT = "heldout/accuracy"
 INDEX_FILE = "README.md"

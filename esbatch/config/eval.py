@@ -27,7 +27,7 @@ from esbatch.config.run import (  # EvalTask and _ks live with the run config: i
     model_errors,
     parse_overrides,
 )
-from esbatch.config.schema import ConfigError, Schema, build, deep_merge, setting
+from esbatch.schema import ConfigError, Schema, build, deep_merge, setting
 from esbatch.registry import did_you_mean
 from esbatch.train.rundir import RunDir
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from esbatch.config.loader import available, find, read_yaml
-from esbatch.config.schema import ConfigError, Schema, build, deep_merge, setting
+from esbatch.schema import ConfigError, Schema, build, deep_merge, setting
 
 
 @dataclass

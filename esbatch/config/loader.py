@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from esbatch.config.schema import ConfigError
+from esbatch.schema import ConfigError
 from esbatch.registry import did_you_mean
 
 BUILTIN_DIR = Path(__file__).resolve().parents[1] / "builtin"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from esbatch.config.schema import describe
+from esbatch.schema import describe
 
 TITLES = {
     "config": "Run config (`esbatch train CONFIG`)",

@@ -1,6 +1,6 @@
 """The run config: what `esbatch train` trains, as validated sections (YAML -> dataclasses).
 
-Every field carries help text and its constraints (esbatch/config/schema.py). ``load_config`` collects *all*
+Every field carries help text and its constraints (esbatch/schema.py). ``load_config`` collects *all*
 problems at once and raises ``ConfigError`` whose lines name the YAML path of the key, say why it is wrong
 and list the valid choices. Checks that concern one algorithm live with it (``Algorithm.check``).
 """
@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import yaml
 
 from esbatch.config.loader import find, read_yaml
-from esbatch.config.schema import (
+from esbatch.schema import (
     ConfigError,
     Invalid,
     Schema,

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from esbatch.config.schema import ConfigError, Invalid, Schema, expects, folder_name, setting
+from esbatch.schema import ConfigError, Invalid, Schema, expects, folder_name, setting
 
 
 @expects("an eval config name or path, or a non-empty list of them")

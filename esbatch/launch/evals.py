@@ -27,7 +27,7 @@ from typing import Any
 
 from esbatch.config.eval import eval_config_from_dict
 from esbatch.config.loader import find, read_yaml
-from esbatch.config.schema import ConfigError, deep_merge
+from esbatch.schema import ConfigError, deep_merge
 from esbatch.registry import did_you_mean
 
 BASE_PREFIX, RUN_PREFIX, THRESHOLD_PREFIX = "base-", "ev-", "thr-"

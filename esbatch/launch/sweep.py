@@ -18,7 +18,7 @@ from typing import Any
 from esbatch.config.launcher import LauncherProfile, load_profile
 from esbatch.config.loader import find, read_yaml
 from esbatch.config.run import RESUME_OVERRIDABLE, TrainConfig, config_from_dict, parse_overrides
-from esbatch.config.schema import ConfigError, build, deep_merge, describe, flatten
+from esbatch.schema import ConfigError, build, deep_merge, describe, flatten
 from esbatch.config.sweep import SWEEP_KEYS, SweepFile
 from esbatch.launch.evals import PlannedEval, load_eval_bases, load_threshold_base, plan_evals, plan_threshold
 from esbatch.registry import did_you_mean
