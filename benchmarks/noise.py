@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from esbatch.perturb import cpu_kernel as K
 from esbatch.perturb import noise as N
 
 
@@ -60,17 +61,17 @@ def table(dev: torch.device, n: int, repeat: int, eager_n: int | None) -> None:
         rows += [("philox-gauss (eager torch)", "philox-gauss", None, eager_n)]
     rows += [("legacy-cpu (+ copy to device)", "legacy-cpu", 2, n)]
     for label, noise, simd, m in rows:
-        N.CPU_SIMD = 2 if simd is None else simd
+        K.CPU_SIMD = 2 if simd is None else simd
         t, c = best(lambda m=m, z=noise, f=simd is not None: N.draw(1, "bench", 0, m, dev, z, fast=f), dev, repeat)
         row(label, m, t, c)
-    N.CPU_SIMD = 2
+    K.CPU_SIMD = 2
 
 
 def paths() -> list[tuple[str, int]]:
     """The C kernel's paths worth timing here: AVX-512 and AVX2 where the CPU has them, and the scalar one."""
-    N.CPU_SIMD = 2
-    have = N.SIMD_PATHS.index(N.cpu_simd())
-    return [(N.SIMD_PATHS[lv], lv) for lv in range(have, -1, -1)]
+    K.CPU_SIMD = 2
+    have = K.SIMD_PATHS.index(K.cpu_simd())
+    return [(K.SIMD_PATHS[lv], lv) for lv in range(have, -1, -1)]
 
 
 def main() -> None:

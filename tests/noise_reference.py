@@ -79,7 +79,7 @@ def eps(seed: int, name: str, start: int, count: int, table: np.ndarray, kind: s
 
 def table() -> np.ndarray:
     """The committed table (data shared with the implementation; tests/unit/test_noise.py regenerates it)."""
-    from esbatch.perturb.noise import TABLE_FILE
+    from esbatch.perturb.philox import TABLE_FILE
 
     return np.load(TABLE_FILE)
 

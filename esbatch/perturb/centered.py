@@ -16,16 +16,8 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from esbatch.models import checksum
-from esbatch.perturb.noise import (
-    DEFAULT_NOISE,
-    check_noise,
-    draw,
-    eps_device,
-    perturb_into,
-    perturb_jobs,
-    run_jobs,
-    spans,
-)
+from esbatch.perturb.jobs import perturb_jobs, run_jobs
+from esbatch.perturb.noise import DEFAULT_NOISE, check_noise, draw, eps_device, perturb_into, spans
 from esbatch.perturb.update import UpdateSpec, es_update, flat
 
 

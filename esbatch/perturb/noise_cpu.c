@@ -1,12 +1,16 @@
-/* The philox ES noise on the CPU (esbatch/perturb/noise.py has the recipe and the bit-identity argument).
- * Integer arithmetic throughout; the only float operations are (float)z of an int32 (correctly rounded) and a
- * multiplication by 2^-28 (exact), so compiler flags cannot change a value. Built on first use by noise.py.
+/* The philox ES noise on the CPU (esbatch/perturb/noise.py has the recipe, philox.py the eager torch definition
+ * these functions reproduce bit for bit). Integer arithmetic throughout; the only float operations are (float)z of
+ * an int32 (correctly rounded) and a multiplication by 2^-28 (exact), so compiler flags cannot change a value.
+ * Built on first use by esbatch/perturb/cpu_kernel.py (cpu_lib: the system compiler, CPU_FLAGS, no -march) into
+ * the user's cache (ESBATCH_NOISE_CACHE, default ~/.cache/esbatch) and loaded with ctypes; jobs.py cuts tensors
+ * into calls of the exported functions and runs them over torch's threads.
  *
- * Two paths with the same bits: a portable scalar one, and on x86-64 an AVX2 one (8 Philox blocks per step,
- * the Gaussian transform 8 words at a time) compiled with a function-level target attribute and chosen at run
- * time (__builtin_cpu_supports), so one cached binary is safe on every x86-64 CPU that shares the cache folder.
- * The scalar path runs the ragged ends, CPUs without AVX2, and whatever `simd = 0` asks for (the tests compare
- * both paths with the numpy reference). */
+ * Three paths with the same bits: a portable scalar one, and on x86-64 an AVX2 one (8 Philox blocks per step) and
+ * an AVX-512F one (16 per step), each compiled with a function-level target attribute and chosen at run time
+ * (__builtin_cpu_supports, esbatch_noise_simd), so one cached binary is safe on every x86-64 CPU that shares the
+ * cache folder. A call's `simd` argument caps the path (2 AVX-512, 1 AVX2, 0 scalar; CPU_SIMD,
+ * ESBATCH_NOISE_SIMD): the widest allowed path runs first, the next narrower one its remainder, and the scalar
+ * path the ragged ends, other CPUs and `simd = 0` (the tests compare every path with the numpy reference). */
 #include <stdint.h>
 #include <math.h>
 #include <string.h>

@@ -17,7 +17,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from esbatch.perturb.noise import DEFAULT_NOISE, check_noise, draw, eps_device, perturb_into, run_jobs, spans
+from esbatch.perturb.jobs import run_jobs
+from esbatch.perturb.noise import DEFAULT_NOISE, check_noise, draw, eps_device, perturb_into, spans
 from esbatch.perturb.update import UpdateSpec, cpu_jobs, flat, step_chunk
 
 MASTERS = ("device", "host", "disk")  # es.master

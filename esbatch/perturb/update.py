@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from esbatch.perturb.noise import DEFAULT_NOISE, accumulate, draw, eps_device, run_jobs, spans, update_jobs
+from esbatch.perturb.jobs import run_jobs, update_jobs
+from esbatch.perturb.noise import DEFAULT_NOISE, accumulate, draw, eps_device, spans
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def es_update(center: Mapping[str, torch.Tensor], spec: UpdateSpec, noise: str =
     accumulated in fp32 and added once per element, so small steps are not lost to rounding in a low-precision
     compute dtype. Directions with w_i == 0 contribute nothing and are skipped. Philox noise is drawn and summed
     on the center's device in chunks of noise.CHUNK elements (the same per-element operations as one pass);
-    on the CPU the C kernel does those operations in one pass over each tensor (noise.update_jobs, tested bit
+    on the CPU the C kernel does those operations in one pass over each tensor (jobs.update_jobs, tested bit
     for bit against them; the L2, a logged metric only, is summed in a different order than before 2026-12-02
     and may differ in its last bits). legacy-cpu sums whole tensors on the CPU, as runs made with it did.
     """
@@ -96,8 +97,8 @@ def es_update(center: Mapping[str, torch.Tensor], spec: UpdateSpec, noise: str =
 
 
 def cpu_jobs(spec: UpdateSpec, name: str, dst: torch.Tensor, start: int, noise: str) -> list[tuple] | None:
-    """C kernel jobs (noise.run_jobs) adding step_chunk's step to ``dst`` (elements start.. of tensor ``name``,
-    fp32 contiguous on the CPU) in one pass, each returning its squared-L2 part (noise.update_jobs); None where
+    """C kernel jobs (jobs.run_jobs) adding step_chunk's step to ``dst`` (elements start.. of tensor ``name``,
+    fp32 contiguous on the CPU) in one pass, each returning its squared-L2 part (jobs.update_jobs); None where
     that path does not apply."""
     used = [(seed, w) for seed, w in zip(spec.seeds, spec.weights) if w != 0.0]
     seeds, weights = [s for s, _ in used], [w for _, w in used]

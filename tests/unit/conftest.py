@@ -26,10 +26,10 @@ def _session_helpers() -> None:
     import matplotlib.font_manager  # noqa: F401 - on a fresh machine its import runs `fc-list` to build the font cache
     import mlflow.tracking  # noqa: F401 - its import runs `uname -p` once (platform.platform())
 
-    from esbatch.perturb import noise
+    from esbatch.perturb import cpu_kernel
     from esbatch.tasks import verify_math
 
-    noise.cpu_simd()  # builds (or finds) the C kernel: `cc --version`, and `cc` once per source
+    cpu_kernel.cpu_simd()  # builds (or finds) the C kernel: `cc --version`, and `cc` once per source
     verify_math.start_workers(verify_math.MAX_IDLE_WORKERS)
 
 

@@ -13,7 +13,10 @@ import torch
 from noise_reference import eps as ref_eps
 from noise_reference import half_normal, philox4x32_10, table
 
+from esbatch.perturb import cpu_kernel as K
+from esbatch.perturb import jobs as J
 from esbatch.perturb import noise as N
+from esbatch.perturb import philox as P
 from esbatch.perturb import weights_for
 from esbatch.perturb.noise import direction, draw, tensor_seed
 from esbatch.perturb.update import UpdateSpec, es_update, es_update_inplace
@@ -37,16 +40,16 @@ def _bits(x):
 def test_philox_known_answers_in_torch_and_in_the_reference(ctr, key, want):
     ref = philox4x32_10([np.array([c], dtype=np.uint64) for c in ctr], key)
     assert [int(w[0]) for w in ref] == list(want)
-    keys = torch.tensor(N._round_keys(key[0] | key[1] << 32))
-    got = N._philox([torch.tensor([c]) for c in ctr], keys)
+    keys = torch.tensor(P.round_keys(key[0] | key[1] << 32))
+    got = P.philox4x32_10([torch.tensor([c]) for c in ctr], keys)
     assert [int(w[0]) for w in got] == list(want)
 
 
 def test_mulhilo_without_int64_overflow_matches_python_ints():
     rng = np.random.default_rng(0)
     a = [0, 1, 0xFFFFFFFF, 0x80000000, *rng.integers(0, 2**32, 200).tolist()]
-    for m in N.PHILOX_M:
-        hi, lo = N._mulhilo(torch.tensor(a, dtype=torch.int64), m)
+    for m in P.PHILOX_M:
+        hi, lo = P.mulhilo(torch.tensor(a, dtype=torch.int64), m)
         assert hi.tolist() == [(x * m) >> 32 for x in a]
         assert lo.tolist() == [(x * m) & 0xFFFFFFFF for x in a]
 
@@ -55,7 +58,7 @@ SPANS = [  # (start, count): across blocks, CPU threads, chunks, the 2^32-block 
     (0, 1),
     (0, 10),
     (3, 1001),
-    (5, 3 * N.PARALLEL_MIN + 7),
+    (5, 3 * J.PARALLEL_MIN + 7),
     (N.CHUNK - 5, 11),
     (N.CHUNK * 3 - 2, 7),
     (2**32 * 4 - 3, 9),
@@ -79,15 +82,15 @@ def test_every_c_kernel_path_is_bit_equal_to_the_numpy_reference(noise, kind, si
     """The kernel's AVX-512 and AVX2 paths (where the CPU has them) and its scalar path (other CPUs, ragged ends)
     give the same bits: spans with every start and end residue mod 64 (16 blocks of 4 per AVX-512 step, whose
     remainder goes through the AVX2 and then the scalar path), long ones, and counters whose low word wraps."""
-    if N._cpu_lib() is None:
+    if K.cpu_lib() is None:
         pytest.skip("no C compiler here")
-    if N._cpu_lib().esbatch_noise_simd() < simd:
-        pytest.skip(f"this CPU has no {N.SIMD_PATHS[simd]}")
-    monkeypatch.setattr(N, "CPU_SIMD", simd)
+    if K.cpu_lib().esbatch_noise_simd() < simd:
+        pytest.skip(f"this CPU has no {K.SIMD_PATHS[simd]}")
+    monkeypatch.setattr(K, "CPU_SIMD", simd)
     tab = table()
     spans = [(s, c) for s in range(0, 65, 3) for c in (1, 5, 31, 32, 33, 63, 64, 65, 95, 191)]
     spans += [(2**32 * 4 - 61, 200), (2**32 * 4 - 250, 500)]
-    spans += [(7, 3 * N.PARALLEL_MIN + 13)]  # several threads when torch has them
+    spans += [(7, 3 * J.PARALLEL_MIN + 13)]  # several threads when torch has them
     for start, count in spans:
         got = draw(5, "w", start, count, "cpu", noise).numpy()
         assert np.array_equal(_bits(got), _bits(ref_eps(5, "w", start, count, tab, kind))), (start, count)
@@ -95,9 +98,9 @@ def test_every_c_kernel_path_is_bit_equal_to_the_numpy_reference(noise, kind, si
 
 def test_the_widest_path_the_cpu_has_is_taken():
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-    if platform.machine() != "x86_64" or "avx2" not in flags or N._cpu_lib() is None:
+    if platform.machine() != "x86_64" or "avx2" not in flags or K.cpu_lib() is None:
         pytest.skip("not an x86-64 CPU with AVX2 and a C compiler")
-    assert N.cpu_simd() == ("avx512" if "avx512f" in flags else "avx2")
+    assert K.cpu_simd() == ("avx512" if "avx512f" in flags else "avx2")
 
 
 @pytest.mark.parametrize("simd", [2, 1, 0], ids=["avx512", "avx2", "scalar"])
@@ -105,10 +108,10 @@ def test_c_gaussian_transform_at_octave_edges_equals_the_reference(simd):
     """Words no Philox draw is likely to hit: every m below 4096 (the direct entries and the first octaves), each
     power of two +-2 (octave edges, where a rounded float conversion would pick the wrong octave), the largest m,
     each with both signs."""
-    if N._cpu_lib() is None:
+    if K.cpu_lib() is None:
         pytest.skip("no C compiler here")
-    if N._cpu_lib().esbatch_noise_simd() < simd:
-        pytest.skip(f"this CPU has no {N.SIMD_PATHS[simd]}")
+    if K.cpu_lib().esbatch_noise_simd() < simd:
+        pytest.skip(f"this CPU has no {K.SIMD_PATHS[simd]}")
     ms = set(range(4096)) | {2**31 - 1}
     ms |= {(1 << k) + d for k in range(8, 31) for d in (-2, -1, 0, 1, 2) if (1 << k) + d < 2**31}
     ms = np.array(sorted(ms), dtype=np.uint64)
@@ -116,12 +119,12 @@ def test_c_gaussian_transform_at_octave_edges_equals_the_reference(simd):
     words = np.concatenate([ms, ms | np.uint64(2**31)])
     z = half_normal(ms, table())
     want = np.concatenate([z, -z]).astype(np.float32) * np.float32(2.0**-28)
-    assert np.array_equal(_bits(N.gauss_words(words.astype(np.uint32), simd)), _bits(want))
+    assert np.array_equal(_bits(K.gauss_words(words.astype(np.uint32), simd)), _bits(want))
 
 
 def test_table_is_non_increasing_and_in_int32_range():
     """The AVX2 interpolation relies on it (T[idx + 1] - T[idx] <= 0 and no 32-bit wrap, noise_cpu.c:gauss8)."""
-    t = np.load(N.TABLE_FILE).astype(np.int64)
+    t = np.load(P.TABLE_FILE).astype(np.int64)
     assert np.all(np.diff(t) <= 0)
     assert t.min() >= 0 and t.max() < 2**31
     assert -np.diff(t).min() < 2**26  # so |d| * f < 2^46 for f < 2^20
@@ -171,9 +174,9 @@ def test_rademacher_is_plus_minus_one_balanced_and_uncorrelated():
 
 
 def test_table_regenerates_identically_and_matches_its_recorded_hash():
-    raw = N.TABLE_FILE.read_bytes()
-    assert hashlib.sha256(raw).hexdigest() == N.TABLE_SHA256
-    assert np.array_equal(N.build_table(), np.load(N.TABLE_FILE))
+    raw = P.TABLE_FILE.read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == P.TABLE_SHA256
+    assert np.array_equal(P.build_table(), np.load(P.TABLE_FILE))
 
 
 def test_interpolation_error_against_the_exact_quantile():
@@ -181,7 +184,7 @@ def test_interpolation_error_against_the_exact_quantile():
 
     rng = np.random.default_rng(0)
     ms = np.concatenate([np.arange(4096), rng.integers(0, 2**31, 20000), 2 ** rng.integers(11, 31, 2000) - 1])
-    got = N._gauss(torch.from_numpy(ms.astype(np.int64)), N._table(torch.device("cpu")).long()).double().numpy()
+    got = P.gaussian(torch.from_numpy(ms.astype(np.int64)), P.table_on(torch.device("cpu")).long()).double().numpy()
     exact = np.array([-NormalDist().inv_cdf((m + 0.5) / 2**32) for m in ms])
     # fixed point + interpolation < 6e-8, then fp32 rounding of z (half an ulp: 2^-24 * 2^floor(log2 z))
     half_ulp = np.exp2(np.floor(np.log2(np.maximum(exact, 2**-20))) - 24)
@@ -228,7 +231,7 @@ def test_chunked_update_and_perturb_equal_one_pass_math(noise):
 def test_one_pass_c_perturbation_has_the_bits_of_the_torch_ops(noise, threads, monkeypatch):
     """noise.perturb_into (base + scale * eps in the C kernel) against eps.mul_(scale).add_(base): unaligned
     starts, ragged lengths, a split over threads, scales that round to fp32, huge and subnormal products."""
-    if N._cpu_lib() is None:
+    if K.cpu_lib() is None:
         pytest.skip("no C compiler: perturb_into is never taken")
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(0)
@@ -244,7 +247,7 @@ def test_one_pass_c_perturbation_has_the_bits_of_the_torch_ops(noise, threads, m
         3e38,
         *torch.randn(8, generator=g, dtype=torch.float64).tolist(),
     ]
-    for start, count in [(0, 5), (3, 4099), ((1 << 20) + 1, 30_001), (N.JOB - 5, 2 * N.JOB + 13)]:
+    for start, count in [(0, 5), (3, 4099), ((1 << 20) + 1, 30_001), (J.JOB - 5, 2 * J.JOB + 13)]:
         base = torch.randn(count, generator=g) * torch.logspace(-30, 30, count).float()
         eps = draw(11, "w", start, count, "cpu", noise)
         for scale in scales:
@@ -271,20 +274,20 @@ def _torch_step(spec, name, start, count, noise):
 @pytest.mark.parametrize("simd", [2, 1, 0], ids=["avx512", "avx2", "scalar"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_c_update_kernels_have_the_bits_of_the_torch_ops(noise, simd, threads, monkeypatch):
-    """noise.accumulate and noise.update_jobs (the whole ES update in one pass) against the torch ops they
+    """noise.accumulate and jobs.update_jobs (the whole ES update in one pass) against the torch ops they
     replace, on every kernel path and thread count: weights that are 0, negative, tiny, huge and not fp32-exact,
     a center spanning several JOB jobs from an unaligned start, and ragged ends. A kernel rounding w * eps
     before adding it (two roundings instead of torch's one fused multiply-add) fails on about 20% of elements.
     The squared-L2 parts are the same on any thread count and whether the tensor is done whole or in chunks."""
-    if N._cpu_lib() is None:
+    if K.cpu_lib() is None:
         pytest.skip("no C compiler: the torch ops run instead")
-    if N._cpu_lib().esbatch_noise_simd() < simd:
-        pytest.skip(f"this CPU has no {N.SIMD_PATHS[simd]}")
-    monkeypatch.setattr(N, "CPU_SIMD", simd)
+    if K.cpu_lib().esbatch_noise_simd() < simd:
+        pytest.skip(f"this CPU has no {K.SIMD_PATHS[simd]}")
+    monkeypatch.setattr(K, "CPU_SIMD", simd)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(3)
     spec = UpdateSpec((4, 9, 2, 17, 5, 8), (0.37, 0.0, -1.3, 1e-30, 2.7e3, 1 / 3), 0.013, 7)
-    for start, count in [(0, 5), (3, 4099), (N.JOB - 7, 2 * N.JOB + 11), (2**33 + 1, 3001)]:
+    for start, count in [(0, 5), (3, 4099), (J.JOB - 7, 2 * J.JOB + 11), (2**33 + 1, 3001)]:
         want = _torch_step(spec, "w", start, count, noise)
         used = [(s, w) for s, w in zip(spec.seeds, spec.weights) if w != 0.0]
         seeds, weights = [s for s, _ in used], [w for _, w in used]
@@ -292,19 +295,19 @@ def test_c_update_kernels_have_the_bits_of_the_torch_ops(noise, simd, threads, m
         assert torch.equal(acc.mul_(spec.alpha / spec.n), want), (start, count)
         center = torch.randn(count, generator=g)
         got = center.clone()
-        parts = N.run_jobs(N.update_jobs(seeds, weights, spec.alpha / spec.n, "w", got, start, noise))
+        parts = J.run_jobs(J.update_jobs(seeds, weights, spec.alpha / spec.n, "w", got, start, noise))
         assert torch.equal(got, center.clone().add_(want)), (start, count)
         assert math.isclose(sum(parts), float((want.double() ** 2).sum()), rel_tol=1e-12)
-        cut = (start // N.JOB + 1) * N.JOB - start  # a chunk boundary on a job boundary
+        cut = (start // J.JOB + 1) * J.JOB - start  # a chunk boundary on a job boundary
         if cut < count:
             again = center.clone()
-            parts2 = N.run_jobs(N.update_jobs(seeds, weights, spec.alpha / spec.n, "w", again[:cut], start, noise))
-            parts2 += N.run_jobs(
-                N.update_jobs(seeds, weights, spec.alpha / spec.n, "w", again[cut:], start + cut, noise)
+            parts2 = J.run_jobs(J.update_jobs(seeds, weights, spec.alpha / spec.n, "w", again[:cut], start, noise))
+            parts2 += J.run_jobs(
+                J.update_jobs(seeds, weights, spec.alpha / spec.n, "w", again[cut:], start + cut, noise)
             )
             assert torch.equal(again, got) and parts2 == parts
-    assert N.update_jobs([1], [1.0], 1.0, "w", torch.zeros(16)[::2], 0, noise) is None  # not contiguous
-    assert N.update_jobs([1], [1.0], 1.0, "w", torch.zeros(8, dtype=torch.bfloat16), 0, noise) is None
+    assert J.update_jobs([1], [1.0], 1.0, "w", torch.zeros(16)[::2], 0, noise) is None  # not contiguous
+    assert J.update_jobs([1], [1.0], 1.0, "w", torch.zeros(8, dtype=torch.bfloat16), 0, noise) is None
     assert N.accumulate([1], [1.0], "w", 0, 8, "legacy-cpu") is None
 
 
