@@ -1,16 +1,43 @@
 """The `esbatch` command line: train, sweep, status, cancel, aggregate, eval, center, eval-plot, flops, validate, ls,
-plot, analyze (drift, diversity, threshold-curve), threshold, diagnose (kappa)."""
+plot, analyze (drift, diversity, threshold-curve), threshold, diagnose (kappa).
+
+What `--help`, `ls`, `validate` and `sweep --dry-run` load anyway is imported here; the eval, analyze, aggregate
+and diagnose machinery is imported by its subcommand, so that those light commands start fast."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import esbatch
+from esbatch.backends import BACKENDS
+from esbatch.config import RESUME_OVERRIDABLE, ConfigError, load_config, load_run_config
+from esbatch.config.aggregate import parse_specs
+from esbatch.config.eval import load_eval_config
+from esbatch.config.kinds import detect_kind
+from esbatch.config.launcher import load_profile
+from esbatch.config.loader import KINDS, available, find, find_all, noun, read_yaml
+from esbatch.config.reference import schema_text
+from esbatch.config.run import RunConfig
+from esbatch.diagnose.protocol import OBJECTIVES, SEED_MODES, KappaProtocol, planned_evaluations, run_kappa
+from esbatch.launch.base import LAUNCHERS
+from esbatch.launch.state import SweepDir
+from esbatch.launch.submit import cancel_sweep, dry_run, follow, format_table, memory_warnings, run_states, submit_sweep
+from esbatch.launch.sweep import load_sweep
+from esbatch.models import DTYPES, MODELS, load_model_and_tokenizer
+from esbatch.registry import UnknownNameError
+from esbatch.tasks import TASKS
+from esbatch.train import stop, train
+from esbatch.train.algorithms import ALGORITHMS
+from esbatch.train.flops import format_accounting
+from esbatch.train.rundir import RunDir, RunFolderError
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
@@ -34,9 +61,6 @@ def _err(msg: str) -> int:
 
 def _train_config(args: argparse.Namespace) -> tuple[Any, Path] | int:
     """The config and run folder of `esbatch train CONFIG` or `esbatch train --resume RUN_DIR`."""
-    from esbatch.config import RESUME_OVERRIDABLE, load_config, load_run_config
-    from esbatch.train.rundir import RunDir
-
     if not args.resume:
         cfg = load_config(args.config, args.overrides)
         return cfg, Path(cfg.run.output_dir) / cfg.run.name
@@ -60,8 +84,6 @@ def _train_config(args: argparse.Namespace) -> tuple[Any, Path] | int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from esbatch.train import stop, train
-
     got = _train_config(args)
     if isinstance(got, int):
         return got
@@ -110,7 +132,6 @@ def _print_summary(s: dict[str, Any]) -> None:
 def _start_ranks(n: int) -> int:
     """Re-run this command under torchrun with n ranks (ES: the population is split over them; GRPO: data
     parallel). Exits non-zero when any rank fails; the run folder is then resumable with --resume."""
-    import subprocess
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "-m", "esbatch", *sys.argv[1:]]
     print(f"starting {n} ranks: {' '.join(cmd[1:])}", file=sys.stderr)
@@ -126,11 +147,7 @@ def _start_ranks(n: int) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from esbatch.config import ConfigError
-
     if args.schema:
-        from esbatch.config.reference import schema_text
-
         print(schema_text(args.kind or "config"))
         return 0
     if not args.files:
@@ -148,12 +165,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def _validate(name: str, kind: str | None, overrides: list[str]) -> list[str]:
     """Check a file (or every built-in file of that name); one description per file checked."""
-    from esbatch.config.kinds import detect_kind
-    from esbatch.config.loader import find, find_all, read_yaml
-
     if kind == "aggregate":
-        from esbatch.config.aggregate import parse_specs
-
         path = find(name, "config")
         raw = read_yaml(path).get("aggregate")
         return [f"{len(parse_specs(raw if raw is not None else []))} aggregate analyses"]
@@ -163,38 +175,22 @@ def _validate(name: str, kind: str | None, overrides: list[str]) -> list[str]:
 
 def _validate_one(path: Path, kind: str, overrides: list[str]) -> str:
     """Check one file of a known kind; returns a one-line description of what it is."""
-    from esbatch.config.loader import noun
-
     if kind == "sweep":
-        from esbatch.launch.sweep import load_sweep
-
         sw = load_sweep(str(path), overrides=overrides)
         evals = f", {len(sw.evals)} evals" if sw.evals else ""
         return f"{noun(kind)} {sw.name}: {len(sw.runs)} runs{evals}, launcher {sw.launcher}"
     if kind == "launcher":
-        from esbatch.config.launcher import load_profile
-
         prof = load_profile(str(path))
         return f"{noun(kind)}: cluster {prof.cluster}"
     if kind == "eval":
-        from esbatch.config.eval import load_eval_config
-
         ec = load_eval_config(str(path), overrides)
         return f"{noun(kind)}: {len(ec.task_list())} tasks, model {ec.model.name}"
-    from esbatch.config import load_config
 
     cfg = load_config(str(path), overrides)
     return f"{noun(kind)}: {cfg.algorithm}, task {cfg.task.name}, model {cfg.model.name}"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from esbatch.backends import BACKENDS
-    from esbatch.config.loader import KINDS, available
-    from esbatch.launch.base import LAUNCHERS
-    from esbatch.models import MODELS
-    from esbatch.tasks import TASKS
-    from esbatch.train.algorithms import ALGORITHMS
-
     for title, reg in (("algorithms", ALGORITHMS), ("tasks", TASKS), ("models", MODELS), ("backends", BACKENDS)):
         print(f"{title}:")
         for name in reg:
@@ -211,10 +207,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from esbatch.launch.submit import dry_run, submit_sweep
-    from esbatch.launch.sweep import load_sweep
-    from esbatch.train import stop
-
     sweep = load_sweep(args.sweep, launcher=args.launcher, overrides=args.overrides, name=args.name)
     if args.dry_run:
         return dry_run(sweep, sys.stdout)
@@ -241,9 +233,6 @@ def _sweep_dir(arg: str, name: str | None = None) -> Path:
     p = Path(arg)
     if (p / "sweep.json").exists():
         return p
-    from esbatch.config import ConfigError
-    from esbatch.config.run import RunConfig
-    from esbatch.launch.sweep import load_sweep
 
     try:
         return load_sweep(arg, name=name).dir
@@ -255,9 +244,6 @@ def _sweep_dir(arg: str, name: str | None = None) -> Path:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from esbatch.launch.state import SweepDir
-    from esbatch.launch.submit import follow, format_table, memory_warnings, run_states
-
     sd = SweepDir(_sweep_dir(args.sweep, args.name))
     if not sd.exists():
         return _err(f"{sd.path}: nothing submitted yet (no sweep.json). Submit with: esbatch sweep {args.sweep}")
@@ -272,9 +258,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from esbatch.launch.state import SweepDir
-    from esbatch.launch.submit import cancel_sweep
-
     sd = SweepDir(_sweep_dir(args.sweep, args.name))
     if not sd.exists():
         return _err(f"{sd.path}: nothing submitted yet (no sweep.json)")
@@ -298,14 +281,10 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from esbatch.config.eval import load_eval_config
-    from esbatch.eval.runner import evaluate
-    from esbatch.train import stop
+    from esbatch.eval.runner import EvalDir, evaluate
 
     overrides = list(args.overrides)
     if args.recompute:
-        from esbatch.eval.runner import EvalDir
-
         ed = EvalDir(args.recompute)
         if not ed.config.exists():
             return _err(f"--recompute {ed.path}: not an eval folder (no {ed.config.name})")
@@ -359,9 +338,6 @@ def cmd_eval_plot(args: argparse.Namespace) -> int:
 
 def cmd_flops(args: argparse.Namespace) -> int:
     """Per-update FLOPs of ES and GRPO for a config, and the matched setting of the other (App. G.2)."""
-    from esbatch.config import load_config
-    from esbatch.train.flops import format_accounting
-
     cfg = load_config(args.config, args.overrides)
     params, prompt_tokens = args.params, args.prompt_tokens
     if params is None or prompt_tokens is None:
@@ -390,8 +366,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
 def _measure_model(cfg: Any, params: int | None, prompt_tokens: float | None) -> tuple[int, float]:
     """Parameter count and mean prompt length of the task's first 64 training prompts, from the model."""
-    from esbatch.backends.hf import HFGenerator
-    from esbatch.models import load_model_and_tokenizer
+    from esbatch.backends.hf import HFGenerator  # heavy: torch
     from esbatch.train.problems import load_problems
 
     m = cfg.model
@@ -405,7 +380,6 @@ def _measure_model(cfg: Any, params: int | None, prompt_tokens: float | None) ->
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from esbatch.aggregate.plots import plot_runs
-    from esbatch.train.rundir import RunDir
 
     missing = [d for d in args.run_dirs if not RunDir(d).exists()]
     if missing:
@@ -465,8 +439,6 @@ def cmd_threshold_curve(args: argparse.Namespace) -> int:
 
 
 def cmd_threshold(args: argparse.Namespace) -> int:
-    import json
-
     from esbatch.analyze.threshold import S_TAU, threshold_run
 
     if why := _bad_taus(args.tau):
@@ -482,8 +454,6 @@ def cmd_threshold(args: argparse.Namespace) -> int:
 
 
 def _analysis_commands(sub: Any) -> None:
-    from esbatch.models import DTYPES
-
     an = sub.add_parser(
         "analyze", help="analyses of run folders: drift from theta_0, population diversity, Figure 4's curve"
     )
@@ -536,13 +506,6 @@ def _analysis_commands(sub: Any) -> None:
 
 def cmd_diagnose_kappa(args: argparse.Namespace) -> int:
     """Appendix E's local subtraction diagnostic (kappa_base, kappa_pair) for a run config's model and task."""
-    import dataclasses
-    import json
-
-    from esbatch.backends import BACKENDS
-    from esbatch.config import load_config
-    from esbatch.diagnose.protocol import KappaProtocol, planned_evaluations, run_kappa
-
     cfg = load_config(args.config, args.overrides)
     proto = KappaProtocol(
         sigmas=args.sigmas,
@@ -581,10 +544,10 @@ def cmd_diagnose_kappa(args: argparse.Namespace) -> int:
     if errors:
         return _err("diagnose kappa: " + "; ".join(errors))
     out = Path(args.out or Path("esbatch-diagnose") / f"kappa-{cfg.run.name}")
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # start-up: ~30 ms
 
     if cfg.run.threads:
-        import torch
+        import torch  # heavy
 
         torch.set_num_threads(cfg.run.threads)
     print(
@@ -600,6 +563,7 @@ def cmd_diagnose_kappa(args: argparse.Namespace) -> int:
     finally:
         bar.close()
         backend.close()
+
     from esbatch.diagnose.report import write_outputs
 
     paths = write_outputs(cells, out)
@@ -725,8 +689,6 @@ def _config_commands(sub: Any) -> None:
 
 
 def _diagnose_commands(sub: Any) -> None:
-    from esbatch.diagnose.protocol import OBJECTIVES, SEED_MODES, KappaProtocol
-
     d = KappaProtocol()
     dg = sub.add_parser("diagnose", help="estimator diagnostics around a checkpoint (kappa: paper App. E)")
     dsub = dg.add_subparsers(dest="diagnostic", metavar="DIAGNOSTIC", required=True)
@@ -791,16 +753,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from esbatch.config import ConfigError
-    from esbatch.registry import UnknownNameError
-    from esbatch.train.rundir import RunFolderError
-
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    from esbatch.train import stop
 
     try:
         return args.func(args)
