@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import os
 import re
 import shutil
@@ -328,7 +329,6 @@ def parameter_count(name: str, gguf_file: str | None = None, revision: str | Non
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return None
-    import math
 
     reader = SafetensorsReader(files)  # shapes from the headers only
     return sum(math.prod(reader.shape(k)) for k in reader.keys())

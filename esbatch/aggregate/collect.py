@@ -12,8 +12,15 @@ from typing import Any
 
 import yaml
 
+from esbatch.aggregate.evals import default_eval_analyses, load_evals
+from esbatch.aggregate.report import default_analyses, parse_analyses, write_report
 from esbatch.aggregate.results import RunResult
+from esbatch.config import flatten
 from esbatch.launch.state import SweepDir
+from esbatch.launch.submit import run_states
+from esbatch.tracking import MLflowTracker
+from esbatch.tracking.merge import find_child, merge_run
+from esbatch.tracking.mlflow_tracker import sqlite_lock
 from esbatch.train.rundir import RunDir, RunFolderError, read_jsonl
 
 STATUS = {"FINISHED": "finished", "RUNNING": "running", "FAILED": "failed", "KILLED": "killed", "SCHEDULED": "pending"}
@@ -28,9 +35,6 @@ def _typed(v: str) -> Any:
 
 def merge_offline(sd: SweepDir) -> int:
     """Merge each run folder's private store into the sweep's store; returns how many runs were merged."""
-    from esbatch.tracking import MLflowTracker
-    from esbatch.tracking.merge import merge_run
-
     parent = sd.ensure_parent_run()
     meta = sd.read()
     dst = MLflowTracker(meta["tracking_uri"], meta["experiment"], sd.path / "mlartifacts")
@@ -85,10 +89,6 @@ def collect(sd: SweepDir, metrics: tuple[str, ...] | None = None) -> list[RunRes
     folder's ``log.jsonl`` / ``eval.jsonl`` (:func:`folder_history`)."""
     from mlflow.tracking import MlflowClient
 
-    from esbatch.config import flatten
-    from esbatch.launch.submit import run_states
-    from esbatch.tracking.merge import find_child
-
     meta = sd.read()
     client = MlflowClient(tracking_uri=meta["tracking_uri"])
     exp = client.get_experiment_by_name(meta["experiment"])
@@ -128,9 +128,6 @@ def aggregate(sweep_dir: str | Path) -> Path:
     """Merge, collect, write ``results/`` and log it to the parent run; returns the results folder."""
     from mlflow.tracking import MlflowClient
 
-    from esbatch.aggregate.report import default_analyses, parse_analyses, write_report
-    from esbatch.tracking.mlflow_tracker import sqlite_lock
-
     sd = SweepDir(sweep_dir)
     if not sd.exists():
         raise FileNotFoundError(f"{sd.path}: not a sweep folder (no sweep.json); submit it with `esbatch sweep FILE`")
@@ -142,8 +139,6 @@ def aggregate(sweep_dir: str | Path) -> Path:
     analyses = parse_analyses(meta["aggregate"]) if meta.get("aggregate") else default_analyses(runs)
     evals = None
     if meta.get("evals"):
-        from esbatch.aggregate.evals import default_eval_analyses, load_evals
-
         evals = load_evals(sd)
         if not meta.get("aggregate"):
             analyses = [*default_eval_analyses(evals), *analyses]

@@ -16,19 +16,23 @@ stratified bootstrap (each task's problems resampled on their own).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from esbatch.aggregate.tables import finish, md_table, write_csv
 from esbatch.analyze.threshold import S_TAU, tau_dir
+from esbatch.config.aggregate import parse_specs
 from esbatch.launch.evals import THRESHOLD_PREFIX, eval_done, source_record
 from esbatch.launch.state import SweepDir
 from esbatch.metrics import pass_at_k, problem_metrics
 from esbatch.registry import did_you_mean
+from esbatch.schema import ConfigError
 from esbatch.train.rundir import read_jsonl
 
 BOOTSTRAP, SEED, LEVEL = 2000, 0, 0.95
@@ -113,8 +117,6 @@ class EvalSet:
         """(tasks shown, held-out tasks averaged) for analysis ``a`` (its ``tasks`` list, else every task)."""
         unknown = [t for t in a.tasks if t not in self.task_order]
         if unknown:
-            from esbatch.schema import ConfigError
-
             raise ConfigError([f"{a.path or a.name}.tasks: no eval has {unknown}; task labels: {self.task_order}"])
         tasks = list(a.tasks) or self.task_order
         return tasks, self.heldout(tasks)
@@ -122,8 +124,6 @@ class EvalSet:
 
 def load_evals(sd: SweepDir, ks: Sequence[int] = (1, 16, 32)) -> EvalSet:
     """Every planned eval of the sweep with whatever samples it has (an unfinished eval is marked so)."""
-    import yaml
-
     meta = sd.read()
     run_labels = {r["key"]: r["label"] for r in meta.get("runs", [])}
     entries, order, threshold, thr_tasks = [], [], [], []
@@ -163,8 +163,6 @@ def _threshold_point(
     sd: SweepDir, e: dict[str, Any], point: dict[str, Any], entry: EvalEntry, run_labels: dict[str, str]
 ) -> ThresholdPoint:
     """A threshold eval with its checkpoint's s_tau (0 for the unthresholded anchor), or why it has none."""
-    import json
-
     tau, why, s_tau = float(e["tau"]), None, 0.0
     if tau > 0:
         try:
@@ -597,8 +595,6 @@ WRITERS = {
 def default_eval_analyses(es: EvalSet) -> list[Any]:
     """What a sweep with evaluations but no ``aggregate:`` list gets: the paper's RQ1 tables and figures for the
     K values the evals have."""
-    from esbatch.config.aggregate import parse_specs
-
     curve = [{"kind": "threshold_curve", "name": "threshold_curve"}] if es.threshold else []
     ks = sorted({int(m[5:]) for e in es.entries for t in e.tasks.values() for m in t.values if m.startswith("pass@")})
     if not ks:  # no eval has samples yet (or a sweep with a threshold phase only): no table to fill

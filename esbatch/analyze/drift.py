@@ -25,7 +25,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from esbatch.config import load_config
 from esbatch.eval.center import newest_center, newest_t
+from esbatch.models import SafetensorsReader, weight_files
+from esbatch.tracking import log_artifacts_to
 from esbatch.train.rundir import RunDir, RunFolderError
 
 TYPES = ("norm", "attn_q", "attn_k", "attn_v", "attn_o", "attn_bias", "mlp", "embed", "lm_head", "other")
@@ -248,8 +251,6 @@ class RunWeights:
 def resolve_run(path: str | Path) -> RunWeights:
     """The run folder at ``path`` (an ES or GRPO run, a pipeline or one of its stage<k>-<algo>/ folders), checked
     to hold a config and a readable center; errors name the file and what to do."""
-    from esbatch.config import load_config
-
     rd = RunDir(path)
     if not rd.path.is_dir():
         raise FileNotFoundError(f"{rd.path}: no such run folder (give the folder `esbatch train` printed)")
@@ -272,8 +273,6 @@ def analyze_run(
     base_dtype: str | None = None,
     as_dtype: str | None = None,
 ) -> DriftStats:
-    from esbatch.models import SafetensorsReader, weight_files
-
     m = run.model
     base = SafetensorsReader(weight_files(m.name, m.gguf_file, m.revision))
     with newest_center(run.rd, run.algorithm) as (path, _):
@@ -464,8 +463,6 @@ def _plot_compare(stats: list[DriftStats], out: Path) -> None:
 def log_to_run(run: RunWeights, folder: Path, artifact_path: str) -> str | None:
     """Log ``folder``'s files as artifacts of the run's MLflow run (run.json names it); a warning, not an error,
     when there is none or the store cannot be reached: the files stay in the run folder either way."""
-    from esbatch.tracking import log_artifacts_to
-
     uri, run_id = run.meta.get("tracking_uri"), run.meta.get("mlflow_run_id")
     if not (uri and run_id):
         return None

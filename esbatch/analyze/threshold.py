@@ -20,8 +20,12 @@ import shutil
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import yaml
+
 from esbatch.analyze.drift import check_taus, resolve_run
+from esbatch.config import load_config
 from esbatch.eval.center import newest_center
+from esbatch.models import SafetensorsReader, weight_files
 from esbatch.train.rundir import RunDir, RunFolderError
 
 FOLDER = "thresholded"
@@ -108,8 +112,6 @@ def threshold_tensors(center: Any, base: Any, taus: list[float], base_dtype: str
 
 def threshold_run(run: str | Path, taus: list[float], base_dtype: str | None = None) -> list[Path]:
     """Write ``<run>/thresholded/tau-<tau>/`` for every tau (see the module docstring); returns the folders."""
-    from esbatch.models import SafetensorsReader, weight_files
-
     check_taus(taus)
     rw = resolve_run(run)
     if rw.rd.path.parent.name == FOLDER:
@@ -204,10 +206,6 @@ def ensure_thresholded(run: str | Path, tau: float, base_dtype: str | None = Non
 def curve_points(eval_dirs: list[str | Path], task: str | None = None) -> list[dict[str, Any]]:
     """One point per eval folder: (model, tau, s_tau, Pass@1 on the target task). The target task is ``task``, else
     the training task of the evaluated run when the eval has it, else the eval's only task."""
-    import yaml
-
-    from esbatch.config import load_config
-
     points = []
     for d in map(Path, eval_dirs):
         mfile = d / "metrics.json"

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from esbatch.diagnose.kappa import KappaStats, kappa_stats
+from esbatch.tasks import TASKS
 
 OBJECTIVES = ("regenerated", "sst2-ce", "fixed")
 SEED_MODES = ("common", "independent")
@@ -307,8 +308,6 @@ def _regenerated(cfg: Any, proto: KappaProtocol, backend: Any, seed: int, tick: 
 
 
 def _supervised(proto: KappaProtocol, backend: Any, seed: int, tick: Callable[[int], None]) -> list[Cell]:
-    from esbatch.tasks import TASKS
-
     model, tok = scoring_model(backend)
     task = TASKS.get(proto.supervised_task)(proto.supervised_data)
     if not hasattr(task, "target"):

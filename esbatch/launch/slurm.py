@@ -21,6 +21,7 @@ from typing import Any
 
 from esbatch.config.launcher import LauncherProfile
 from esbatch.launch.base import Launcher
+from esbatch.launch.evals import is_eval_key
 from esbatch.launch.state import SweepDir, now
 
 SUBMITIT_VERSION = "1.5.4"  # the pinned version whose private _make_sbatch_string render_sbatch calls
@@ -144,7 +145,6 @@ def submit(
     Evals that wait for a training submitted now go in an array whose task i starts when training task i has
     succeeded (``--dependency=aftercorr``); one waiting for an earlier submission's task gets ``afterok`` on it.
     """
-    from esbatch.launch.evals import is_eval_key
     from esbatch.launch.task import CLIJob
 
     after = after or {}

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from esbatch.config.run import load_config
+from esbatch.launch.evals import is_eval_key
+from esbatch.tracking import MLflowTracker, run_tags
 from esbatch.train.rundir import RunDir, RunFolderError, read_json_object
 
 # Scheduler states (SLURM's words) that mean "still queued or running": such runs are never resubmitted.
@@ -90,13 +93,9 @@ class SweepDir:
 
     def task_log(self, key: str) -> Path:
         """Where the local launcher writes a task's output (a run's, or an eval's)."""
-        from esbatch.launch.evals import is_eval_key
-
         return self.eval_dir(key) / RunDir.TASK_LOG if is_eval_key(key) else self.run_dir(key).task_log
 
     def plan_config(self, key: str) -> Any:
-        from esbatch.config.run import load_config
-
         return load_config(str(self.plan_path(key)))
 
     def last_submission(self) -> dict[str, dict[str, Any]]:
@@ -110,8 +109,6 @@ class SweepDir:
     def ensure_parent_run(self) -> str:
         """The sweep's MLflow parent run: created by whoever needs it first (a task, or the aggregator),
         under the sweep lock, so submitting never waits for MLflow to create its store."""
-        from esbatch.tracking import MLflowTracker, run_tags
-
         meta = self.read()
         if meta.get("parent_run_id"):
             return meta["parent_run_id"]

@@ -15,12 +15,14 @@ from typing import Any
 
 import yaml
 
-from esbatch.config.launcher import mem_mb
+from esbatch.config.launcher import LauncherProfile, mem_mb
 from esbatch.launch.base import LAUNCHERS, launcher_for
 from esbatch.launch.disk import sweep_disk
 from esbatch.launch.evals import eval_disk_state, eval_progress, is_eval_key
+from esbatch.launch.slurm import job_state
 from esbatch.launch.state import ACTIVE_STATES, RunState, SweepDir, combine, disk_state, now
 from esbatch.launch.sweep import Sweep
+from esbatch.train import stop
 from esbatch.train.rundir import RunDir, RunFolderError
 
 DONE_OR_ACTIVE = {"finished", "queued", "running", "damaged"}  # not submitted (damaged: said why, left alone)
@@ -89,8 +91,6 @@ def scheduler_states(sd: SweepDir, query: bool = True) -> dict[str, tuple[str, s
 
 
 def _launcher(kind: str) -> Any:
-    from esbatch.config.launcher import LauncherProfile
-
     return LAUNCHERS.get(kind)(LauncherProfile(cluster=kind))
 
 
@@ -335,8 +335,6 @@ def evals_to_submit(
 def _run_here(
     launcher: Any, sd: SweepDir, sweep: Sweep, todo: list[str], out: Any, after: dict[str, str] | None = None
 ) -> int:
-    from esbatch.train import stop
-
     launcher.tick = _throttled_bar(sd)
     try:
         (record,) = launcher.submit(sd, sweep.name, todo, after)
@@ -379,8 +377,6 @@ def _throttled_bar(sd: SweepDir) -> Callable[[], None]:
 
 def _wait_job(job_id: str, poll_s: float = 2.0) -> str:
     """Wait for one plain job (the aggregator) to end; returns its final state."""
-    from esbatch.launch.slurm import job_state
-
     delay = poll_s
     while True:
         state = job_state(job_id)

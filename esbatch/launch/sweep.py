@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from esbatch.config.aggregate import parse_specs
 from esbatch.config.launcher import LauncherProfile, load_profile
 from esbatch.config.loader import find, read_yaml
 from esbatch.config.run import RESUME_OVERRIDABLE, TrainConfig, config_from_dict, parse_overrides
-from esbatch.schema import ConfigError, build, deep_merge, describe, flatten
 from esbatch.config.sweep import SWEEP_KEYS, SweepFile
 from esbatch.launch.evals import PlannedEval, load_eval_bases, load_threshold_base, plan_evals, plan_threshold
 from esbatch.registry import did_you_mean
+from esbatch.schema import ConfigError, build, deep_merge, describe, flatten
 
 __all__ = ["SWEEP_KEYS", "PlannedRun", "Sweep", "load_sweep", "run_key"]
 
@@ -174,7 +175,6 @@ def load_sweep(
         if errors:
             raise ConfigError(errors, src)
         threshold = {"task": task, "tau": spec.threshold.tau, "base_dtype": spec.threshold.base_dtype}
-    from esbatch.config.aggregate import parse_specs
 
     return Sweep(
         name=spec.name,

@@ -8,6 +8,7 @@ requeues the job, and the requeued task resumes from the run folder (bit-exact f
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,10 +16,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import submitit
+import yaml
 from submitit.helpers import Checkpointable
 
+from esbatch.config import load_run_config
+from esbatch.config.eval import eval_config_from_dict
+from esbatch.launch.evals import SOURCE_FILE, is_eval_key, source_record
 from esbatch.launch.state import SweepDir
-from esbatch.train import stop, watchdog
+from esbatch.train import stop, train, watchdog
 
 
 def slurm_tags() -> dict[str, str]:
@@ -39,8 +45,6 @@ def slurm_tags() -> dict[str, str]:
 
 def distributed_env_from_slurm() -> None:
     """torch.distributed's env for a multi-task SLURM job: one rank per task, rendezvous on the first node."""
-    import submitit
-
     env = submitit.JobEnvironment()
     job = os.environ.get("SLURM_JOB_ID", "0")
     os.environ.update(
@@ -58,13 +62,7 @@ def run_eval_task(sd: SweepDir, key: str, progress: bool = False) -> dict[str, A
     An eval folder that evaluated an older center of its run (trained further since) is moved aside to
     ``<key>.at<updates>``, never mixed with the new samples. Base-model evals nest under the sweep's run. An eval
     of a threshold point (tau > 0) first writes its thresholded checkpoint of the run, or reuses an intact one."""
-    import json
-
-    import yaml
-
-    from esbatch.config.eval import eval_config_from_dict
     from esbatch.eval.runner import evaluate
-    from esbatch.launch.evals import SOURCE_FILE, source_record
 
     entry = next((e for e in sd.read().get("evals", []) if e["key"] == key), None)
     if entry is None:
@@ -96,17 +94,12 @@ def keep_recorded_noise(cfg: Any, run_dir: Path) -> None:
     before ``es.noise`` existed loads with today's default, while its run folder was trained with ``legacy-cpu``
     (esbatch/config/run.py:load_run_config); replaying that log with another generator would move the center
     elsewhere without a word."""
-    from esbatch.config import load_run_config
-
     cfg.es.noise = load_run_config(run_dir).es.noise
 
 
 def run_task(sweep_dir: str | Path, key: str, progress: bool = False) -> dict[str, Any]:
     """Train (or continue) run ``key`` of the sweep in ``sweep_dir`` (or run eval ``key``); returns the
     trainer's (or the eval's) summary."""
-    from esbatch.launch.evals import is_eval_key
-    from esbatch.train import train
-
     sd = SweepDir(sweep_dir)
     if is_eval_key(key):
         return run_eval_task(sd, key, progress)

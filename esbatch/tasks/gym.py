@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from esbatch.tasks.base import Example, Task, disjoint_splits
+from esbatch.tasks.gsm8k import load_rows
 from esbatch.tasks.verify import (
     Verdict,
     check_boxed_number,
@@ -163,8 +164,6 @@ class CountdownTask(_GymTask):
         return self._example(m["numbers"], m["target"], m["expression"])
 
     def _rows(self) -> list[Example]:
-        from esbatch.tasks.gsm8k import load_rows
-
         source = self.data_path or self.hub_id
         out = []
         for i, row in enumerate(load_rows(source, self.split)):

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import resource
 import select
 import subprocess
 import sys
@@ -117,8 +118,6 @@ def _serve() -> None:
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # stray prints from libraries must not corrupt the protocol
     try:
-        import resource
-
         limit = int(os.environ.get("ESBATCH_MATH_WORKER_MEMORY", WORKER_MEMORY_LIMIT_BYTES))
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     except (ImportError, ValueError, OSError):

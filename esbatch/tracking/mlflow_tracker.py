@@ -211,8 +211,6 @@ class MLflowTracker:
         return max((m.step for m in hist), default=-1)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
