@@ -33,6 +33,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from esbatch.backends.base import PerturbedMember
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -81,7 +85,8 @@ def vllm_fixed_length() -> None:
 
 def vllm_rows(args: argparse.Namespace, path: str, prompts: list[str], members: list, n: int, sampling) -> list:
     """The three sides through vLLM engines (module docstring), for population size ``n``."""
-    from esbatch.backends.vllm import VLLMBackend, VLLMLowRankBackend
+    from esbatch.backends.vllm import VLLMBackend
+    from esbatch.backends.vllm_lowrank_backend import VLLMLowRankBackend
 
     # no prefix caching: the inference side's N copies of each prompt would otherwise share one prefill, which the
     # population's members cannot (each member's attention states are its own)
@@ -128,11 +133,13 @@ def chat_prompts(tok, batch: int) -> list[str]:
     ]
 
 
-def population(n: int) -> list[tuple[int, float, int]]:
+def population(n: int) -> list[PerturbedMember]:
     """N members (direction seed, scale 1e-3 * sign, generation seed) of update 0, as es_step draws them."""
+    from esbatch.backends.base import PerturbedMember
     from esbatch.es.core import draw_population
 
-    return [(m.seed, 1e-3 * m.sign, m.gen_seed) for m in draw_population(0, 0, n, "one_point", "independent")]
+    draw = draw_population(0, 0, n, "one_point", "independent")
+    return [PerturbedMember(m.seed, 1e-3 * m.sign, m.gen_seed) for m in draw]
 
 
 def timed(fn, *args) -> tuple[float, object]:
@@ -162,7 +169,8 @@ def main() -> None:
     import torch
 
     from esbatch.backends import SamplingParams
-    from esbatch.backends.hf import HFBackend, HFGenerator, HFLowRankBackend
+    from esbatch.backends.hf import HFBackend, HFGenerator
+    from esbatch.backends.hf_lowrank import HFLowRankBackend
 
     torch.set_num_threads(args.threads)
     fixed_length(args.tokens)

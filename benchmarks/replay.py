@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
 
-    from esbatch.backends import SamplingParams
+    from esbatch.backends import PerturbedMember, SamplingParams
     from esbatch.es.core import draw_population
     from esbatch.es.trainer import replay
     from esbatch.train.problems import load_problems
@@ -109,7 +109,7 @@ def main() -> None:
         gen = cfg.generation
         members = draw_population(cfg.run.seed, 0, cfg.es.population_size, cfg.es.estimator, cfg.es.generation_seeds)
         pop = backend.evaluate_population(
-            [(m.seed, m.sign * cfg.es.sigma, m.gen_seed) for m in members],
+            [PerturbedMember(m.seed, m.sign * cfg.es.sigma, m.gen_seed) for m in members],
             [probs.train_prompts[i] for i in idx],
             SamplingParams(gen.temperature, gen.top_p, gen.max_new_tokens),
         )

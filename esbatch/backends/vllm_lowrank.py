@@ -3,7 +3,8 @@ engine's batch, each request carrying its member, each token its member's pertur
 
 The arithmetic is the HF backend's (esbatch/backends/hf_lowrank.py) on vLLM's flat (T, hidden) batch, which vLLM
 reorders between steps: a pre-hook maps each token to its request (``runner.req_indices``) and each request to its
-member (``SamplingParams.extra_args["es_member"]``, set by esbatch/backends/vllm.py), and groups rows by member
+member (``SamplingParams.extra_args["es_member"]``, set by the driver's VLLMLowRankBackend,
+esbatch/backends/vllm_lowrank_backend.py), and groups rows by member
 (``_Groups``), so each term is one batched matmul per module. Hooked: linear layers (fused qkv_proj / gate_up_proj:
 each HF part's factors on its slice, esbatch/backends/layout.py), the embedding, RMSNorm (y *= 1 + s eps(w) / w,
 additive where w_j = 0) and the logits (a tied head shares the embedding's (A, B)). Tokens without a member (centre
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from esbatch.backends.base import PerturbedMember
 from esbatch.perturb.lowrank import LowRankWeights
 
 Part = tuple[str, int, int]  # (HF name, first row in the engine tensor, rows)
@@ -100,9 +102,9 @@ class EngineLowRank:
         self.token_member = self.row_member = torch.zeros(0, dtype=torch.long)
 
     # ---------------------------------------------------------------- a population
-    def begin(self, members: Sequence[tuple[int, float]]) -> None:
-        """Draw the factors of ``members`` (direction seed, scale) and hook them into the model: request j with
-        extra_args {"es_member": k} is member k until ``end``."""
+    def begin(self, members: Sequence[PerturbedMember]) -> None:
+        """Draw the factors of ``members`` (their direction seeds and scales) and hook them into the model:
+        request j with extra_args {"es_member": k} is member k until ``end``."""
         if self.members is not None:
             self.end()
         self.members = self._prepare(members)
@@ -123,11 +125,11 @@ class EngineLowRank:
         return have
 
     @torch.no_grad()
-    def _prepare(self, members: Sequence[tuple[int, float]]) -> _Members:
+    def _prepare(self, members: Sequence[PerturbedMember]) -> _Members:
         out = _Members(len(members))
         looked_up = {site.weight[0][0] for site in self.sites.values() if site.kind == "embedding"}
         u, r, buf = len(members), self.rank, self._buffer
-        mats, vecs = self.weights.population(members, self._scratch)  # fp32, drawn at once
+        mats, vecs = self.weights.population([(m.seed, m.scale) for m in members], self._scratch)  # fp32, at once
         for name, (a, b) in mats.items():  # cast to the model's dtype; the last, member U, is zero
             p = self.weights.live[name]
             at, bt = buf((name, "at"), (u + 1, r, p.shape[0]), p), buf((name, "bt"), (u + 1, r, p.shape[1]), p)

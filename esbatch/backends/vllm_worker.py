@@ -6,17 +6,22 @@ copy(master), update = es_update on the fp32 master then copy. So one seed gives
 both backends and the center is restored bit for bit.
 
 Every rpc method returns a dict and never raises: an exception inside an rpc kills the vLLM engine, so
-errors travel back as {"error": traceback} and the driver raises them (esbatch/backends/vllm.py).
+errors travel back as {"error": traceback} and the driver raises them (esbatch/backends/vllm.py). The driver calls
+them through one table (esbatch/backends/vllm_rpc.py:WorkerCall), checked against ESWorkerExtension at the end of
+this module, when it loads.
 """
 
 from __future__ import annotations
 
 import functools
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from esbatch.backends.base import PerturbedMember
+from esbatch.backends.vllm_rpc import check_worker
 
 
 def keep_cpu_linear_weights() -> None:
@@ -86,11 +91,12 @@ class ESWorkerExtension:
         return {"dtype": str(some.dtype), "device": str(some.device)}
 
     @_safe
-    def es_lowrank_begin(self, members: list[list[float]]) -> dict[str, Any]:
-        """Requests with extra_args {"es_member": k} run as member k = (direction seed, scale) until es_lowrank_end."""
+    def es_lowrank_begin(self, members: Sequence[PerturbedMember]) -> dict[str, Any]:
+        """Requests with extra_args {"es_member": k} run as member k (its direction seed and scale) until
+        es_lowrank_end. The members arrive as plain sequences (vLLM's serialization) and are rebuilt here."""
         if self.es.perturbed:
             raise RuntimeError("es_lowrank_begin on perturbed weights: restore first")
-        self.lowrank.begin([(int(seed), float(scale)) for seed, scale in members])
+        self.lowrank.begin([PerturbedMember(int(seed), float(scale), int(gen)) for seed, scale, gen in members])
         return {}
 
     @_safe
@@ -141,3 +147,6 @@ class ESWorkerExtension:
     @_safe
     def es_memory(self) -> dict[str, Any]:
         return self.es.memory_report()
+
+
+check_worker(ESWorkerExtension)  # every driver call names a method here, with its arguments

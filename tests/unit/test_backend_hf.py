@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from esbatch.backends import SamplingParams
+from esbatch.backends import PerturbedMember, SamplingParams
 from esbatch.perturb.noise import direction
 from esbatch.perturb.update import UpdateSpec
 
@@ -61,7 +61,7 @@ def test_a_population_goes_member_to_member_with_one_restore_and_the_same_answer
     perturb / generate / restore per member, and the weights end on the center bit for bit."""
     a, b = tiny_backend_factory(dtype), tiny_backend_factory(dtype)
     center = snapshot(a)
-    members = [(11, 0.05, 3), (11, -0.05, 3), (12, 0.05, 4), (13, 0.05, 5)]
+    members = [PerturbedMember(*m) for m in [(11, 0.05, 3), (11, -0.05, 3), (12, 0.05, 4), (13, 0.05, 5)]]
     prompts = ["12 + 7 =", "hello"]
     s = SamplingParams(temperature=1.0, max_new_tokens=6)
     restores = []

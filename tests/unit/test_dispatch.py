@@ -25,8 +25,9 @@ import torch.distributed as dist
 
 from esbatch.backends import dispatch as dispatching
 from esbatch.backends import vllm as vllm_backend
-from esbatch.backends.base import Generation, SamplingParams
+from esbatch.backends.base import Generation, PerturbedMember, SamplingParams
 from esbatch.backends.dispatch import dispatch
+from esbatch.backends.vllm_rpc import WorkerCall
 from esbatch.config import config_from_dict
 from esbatch.es.trainer import es_step
 from esbatch.train.problems import load_problems
@@ -283,11 +284,12 @@ def fake_engines(schedule: str, n_engines: int = 3, monkeypatch: pytest.MonkeyPa
     held: dict[int, tuple | None] = dict.fromkeys(range(n_engines))
     took: dict[int, list[int]] = {e: [] for e in range(n_engines)}
 
-    def rpc(e: int, method: str, *args):
-        if method == "es_perturb":
+    def rpc(e: int, call: WorkerCall, *args):
+        call.check_args(args)
+        if call is WorkerCall.PERTURB:
             assert held[e] is None, f"engine {e} perturbed twice"
             held[e] = args
-        elif method == "es_restore":
+        elif call is WorkerCall.RESTORE:
             held[e] = None
         return {}
 
@@ -306,7 +308,8 @@ def expected(members, prompts):
 
 
 def test_vllm_engines_take_members_from_the_queue_and_return_them_in_member_order(monkeypatch):
-    members = [(100 + i, 0.01 * (-1) ** i, 1000 + i) for i in range(N)]  # gen seed 1000 + i identifies member i
+    # gen seed 1000 + i identifies member i
+    members = [PerturbedMember(100 + i, 0.01 * (-1) ** i, 1000 + i) for i in range(N)]
     prompts, sampling = ["a", "b"], SamplingParams()
     outs = {}
     for schedule in ("static", "dynamic"):
@@ -325,7 +328,7 @@ def test_vllm_engines_take_members_from_the_queue_and_return_them_in_member_orde
 
 
 def test_vllm_engines_evaluate_only_the_members_a_shared_claim_hands_them():
-    members = [(100 + i, 0.01, 1000 + i) for i in range(N)]
+    members = [PerturbedMember(100 + i, 0.01, 1000 + i) for i in range(N)]
     vb, took, _ = fake_engines("static")
     todo, lock = iter([7, 2, 9]), threading.Lock()
 

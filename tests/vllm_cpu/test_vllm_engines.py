@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from toy_vllm import run_log, tiny_config, train
 
+from esbatch.backends.vllm_rpc import WorkerCall
 from esbatch.perturb.update import UpdateSpec
 
 
@@ -35,7 +36,7 @@ def test_lowrank_training_on_two_engines_equals_one_and_replays_in_the_hf_backen
     """es.perturbation: lowrank through `esbatch train` on vLLM: one engine, or two each running half the population
     in one batch, give the same rewards and center; replaying the log in the HF backend (a resume after a kill)
     rebuilds that center bit for bit."""
-    from esbatch.backends.hf import HFLowRankBackend
+    from esbatch.backends.hf_lowrank import HFLowRankBackend
     from esbatch.es.trainer import replay
     from esbatch.models import load_model_and_tokenizer
 
@@ -86,7 +87,7 @@ def test_engines_that_drift_apart_stop_the_run(tmp_path, two_engines):
     off = {n: t + (1e-3 if n == "model.norm.weight" else 0.0) for n, t in center.items()}
     path = tmp_path / "off.safetensors"
     save_file(off, str(path))
-    vb._rpc(1, "es_load", str(path))  # engine 1 alone gets different weights
+    vb._rpc(1, WorkerCall.LOAD, str(path))  # engine 1 alone gets different weights
     try:
         with pytest.raises(RuntimeError, match="engines drifted apart"):
             vb.update(UpdateSpec([1, 2], [0.5, -0.5], alpha=0.01, n=2))
@@ -97,12 +98,13 @@ def test_engines_that_drift_apart_stop_the_run(tmp_path, two_engines):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: one engine per GPU with CUDA graphs")
 def test_one_engine_per_gpu_with_cuda_graphs(tmp_path, vllm_tiny):
-    from esbatch.backends.base import SamplingParams
+    from esbatch.backends.base import PerturbedMember, SamplingParams
     from esbatch.backends.vllm import VLLMBackend
 
     n = torch.cuda.device_count()
     vb = VLLMBackend(str(vllm_tiny), engines=n, dtype="bfloat16", cuda_graphs=True, gpu_memory_utilization=0.3)
-    out = vb.evaluate_population([(s, 0.01, s) for s in range(2 * n)], ["1+1="], SamplingParams(1.0, 1.0, 8))
+    members = [PerturbedMember(s, 0.01, s) for s in range(2 * n)]
+    out = vb.evaluate_population(members, ["1+1="], SamplingParams(1.0, 1.0, 8))
     assert len(out.generations) == 2 * n
     vb.update(UpdateSpec([1, 2], [0.5, -0.5], alpha=0.01, n=2))  # checksums agree across GPUs
     vb.close()

@@ -1,18 +1,18 @@
-"""Low-rank ES in vLLM (es.perturbation: lowrank, esbatch/backends/vllm_lowrank.py) against the HF backend's, on
-tiny Llama (tied embeddings) and Qwen2 (q/k/v biases, untied head) models in fp32: each member's greedy outputs,
-the update bit for bit, and a member's sampled responses whatever batch it runs in (the token -> member mapping
-survives vLLM reordering its batch as requests finish). The HF low-rank forward is checked against materialized
-member weights in tests/unit/test_lowrank.py."""
+"""Low-rank ES in vLLM (es.perturbation: lowrank, esbatch/backends/vllm_lowrank_backend.py and vllm_lowrank.py)
+against the HF backend's, on tiny Llama (tied embeddings) and Qwen2 (q/k/v biases, untied head) models in fp32:
+each member's greedy outputs, the update bit for bit, and a member's sampled responses whatever batch it runs in
+(the token -> member mapping survives vLLM reordering its batch as requests finish). The HF low-rank forward is
+checked against materialized member weights in tests/unit/test_lowrank.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from esbatch.backends.base import SamplingParams
+from esbatch.backends.base import PerturbedMember, SamplingParams
 from esbatch.perturb.update import UpdateSpec
 
-MEMBERS = [(11, 0.3, 101), (11, -0.3, 101), (2**32 - 1, 0.3, 7), (5, 0.2, 8)]  # (seed, scale, generation seed)
+MEMBERS = [PerturbedMember(*m) for m in [(11, 0.3, 101), (11, -0.3, 101), (2**32 - 1, 0.3, 7), (5, 0.2, 8)]]
 PROMPTS = ["1+2=", "hello there", "x"]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 RANK = 2
@@ -25,8 +25,8 @@ pytestmark = pytest.mark.xdist_group("vllm-lowrank")
 def both(request, tmp_path_factory):
     from toy import make_tiny_model
 
-    from esbatch.backends.hf import HFLowRankBackend
-    from esbatch.backends.vllm import VLLMLowRankBackend
+    from esbatch.backends.hf_lowrank import HFLowRankBackend
+    from esbatch.backends.vllm_lowrank_backend import VLLMLowRankBackend
     from esbatch.models import load_model_and_tokenizer
 
     if request.param == "llama":  # the session's tiny Llama (tests/vllm_cpu/conftest.py)
@@ -52,7 +52,8 @@ def test_each_members_greedy_outputs_equal_the_hf_backends(both):
     assert len({tuple(map(tuple, m)) for m in got}) == len(MEMBERS)  # every member generates its own outputs
     assert all(m != center for m in got)  # the perturbation is live
     assert [g.token_ids for g in vb.generate(PROMPTS, GREEDY, 0)] == center  # hooks gone: the center again
-    others = [(7, 0.3, 1), (8, -0.3, 2), (9, 0.2, 3), (10, 0.3, 4)]  # the same size: the engine reuses its stacks
+    # the same size: the engine reuses its stacks
+    others = [PerturbedMember(*m) for m in [(7, 0.3, 1), (8, -0.3, 2), (9, 0.2, 3), (10, 0.3, 4)]]
     assert ids(vb.evaluate_population(others, PROMPTS, GREEDY)) == ids(hb.evaluate_population(others, PROMPTS, GREEDY))
 
 
@@ -78,7 +79,7 @@ def test_a_members_sampled_responses_do_not_depend_on_its_batch(both):
     # do depends on the model and the CPU's rounding, so take the first set of generation seeds for which they do
     # (at this temperature most sets; 8 sets all without an early EOS would be a ~1e-7 event).
     for base in range(1000, 1080, 10):
-        members = [(s, sign * 0.3, base + s) for s in range(4) for sign in (1, -1)]
+        members = [PerturbedMember(s, sign * 0.3, base + s) for s in range(4) for sign in (1, -1)]
         whole = ids(vb.evaluate_population(members, PROMPTS, sampling))
         if len({len(t) for m in whole for t in m}) > 1:
             break
