@@ -25,8 +25,9 @@ from esbatch.config.kinds import detect_kind
 from esbatch.config.launcher import load_profile
 from esbatch.config.loader import KINDS, available, find, find_all, noun, read_yaml
 from esbatch.config.reference import schema_text
-from esbatch.config.run import RunConfig
 from esbatch.diagnose.protocol import OBJECTIVES, SEED_MODES, KappaProtocol, planned_evaluations, run_kappa
+from esbatch.es.config import ESConfig
+from esbatch.grpo.config import GRPOConfig
 from esbatch.launch.base import LAUNCHERS
 from esbatch.launch.state import SweepDir
 from esbatch.launch.submit import cancel_sweep, dry_run, follow, format_table, memory_warnings, run_states, submit_sweep
@@ -35,9 +36,10 @@ from esbatch.models import DTYPES, MODELS, load_model_and_tokenizer
 from esbatch.registry import UnknownNameError
 from esbatch.tasks import TASKS
 from esbatch.train import stop, train
-from esbatch.train.algorithms import ALGORITHMS
+from esbatch.train.config import ALGORITHMS, TrainConfig
 from esbatch.train.flops import format_accounting
 from esbatch.train.rundir import RunDir, RunFolderError
+from esbatch.train.sections import RunConfig
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
@@ -343,7 +345,8 @@ def cmd_flops(args: argparse.Namespace) -> int:
     if params is None or prompt_tokens is None:
         params, prompt_tokens = _measure_model(cfg, params, prompt_tokens)
     gen_tokens = args.gen_tokens or cfg.generation.max_new_tokens
-    sec = getattr(cfg, cfg.algo().section or "es")
+    es, grpo = cfg.section(ESConfig), cfg.section(GRPOConfig)
+    sec = grpo if cfg.algorithm == "grpo" else es  # a pipeline: the ES stage's batch
     print(
         f"model {cfg.model.name}: P = {params:,} parameters; prompt {prompt_tokens:.0f} tokens, "
         f"generation {gen_tokens:.0f} tokens{' (max_new_tokens: an upper bound)' if not args.gen_tokens else ''}"
@@ -354,17 +357,17 @@ def cmd_flops(args: argparse.Namespace) -> int:
             sec.batch_size,
             prompt_tokens,
             gen_tokens,
-            N=cfg.es.population_size,
-            G=cfg.grpo.group_size,
-            beta=cfg.grpo.beta,
+            N=es.population_size,
+            G=grpo.group_size,
+            beta=grpo.beta,
             updates=sec.updates or 1,
-            iterations=cfg.grpo.iterations,
+            iterations=grpo.iterations,
         )
     )
     return 0
 
 
-def _measure_model(cfg: Any, params: int | None, prompt_tokens: float | None) -> tuple[int, float]:
+def _measure_model(cfg: TrainConfig, params: int | None, prompt_tokens: float | None) -> tuple[int, float]:
     """Parameter count and mean prompt length of the task's first 64 training prompts, from the model."""
     from esbatch.backends.hf import HFGenerator  # heavy: torch
     from esbatch.train.problems import load_problems

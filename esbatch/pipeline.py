@@ -20,15 +20,25 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from esbatch.backends import BACKENDS
+from esbatch.schema import setting
 from esbatch.train import stop
-from esbatch.train.algorithms import ALGORITHMS, Algorithm
+from esbatch.train.config import ALGORITHMS, Algorithm, TrainConfig
 from esbatch.train.lifecycle import RunSession
 from esbatch.train.rundir import RunDir
 
 STAGE_ALGORITHMS = ("es", "grpo")
+
+
+@dataclass
+class PipelineConfig:
+    stages: list = setting([], "Algorithms run one after the other, each from the previous one's weights: [es, grpo].")
+    split: list | None = setting(None, "Share of the total budget per stage (default: equal), e.g. [0.5, 0.5].")
+    updates: int | None = setting(None, "Total update budget shared by the stages.", ge=1)
 
 
 def stage_budgets(total: int, n: int, split: list[float] | None) -> list[int]:
@@ -42,27 +52,29 @@ def stage_budgets(total: int, n: int, split: list[float] | None) -> list[int]:
 
 
 def stage_configs(
-    cfg: Any, run_dir: Path, parent_run_id: str | None, uri: str | None = None
-) -> list[tuple[RunDir, Any]]:
+    cfg: TrainConfig, run_dir: Path, parent_run_id: str | None, uri: str | None = None
+) -> list[tuple[RunDir, TrainConfig]]:
     """(stage folder, stage config) for every stage; weights flow from each stage to the next."""
     out = []
     prev = cfg.model.init_weights
-    budgets = stage_budgets(cfg.pipeline.updates, len(cfg.pipeline.stages), cfg.pipeline.split)
+    p = cfg.section(PipelineConfig)
+    budgets = stage_budgets(p.updates, len(p.stages), p.split)
     before: list[list[int]] = []  # one data stream: each stage continues where the previous one stopped
-    for k, (algo, n) in enumerate(zip(cfg.pipeline.stages, budgets), 1):
+    for k, (algo, n) in enumerate(zip(p.stages, budgets), 1):
         sc = copy.deepcopy(cfg)
         sc.algorithm = algo
-        section = getattr(sc, ALGORITHMS.get(algo).section)
+        stage = ALGORITHMS.get(algo)
+        section = getattr(sc, stage.section)
         section.updates, section.epochs = n, None
         sc.run.data_before = [list(x) for x in before]
-        batches = -(-n // section.iterations) if algo == "grpo" else n  # GRPO: mu optimizer steps per batch
+        batches = stage.data_batches(sc, n)
         before.append([batches, section.batch_size])
         sc.model.init_weights = prev
         rd = RunDir(run_dir).stage(k, algo)
         sc.run.output_dir, sc.run.name = str(run_dir), rd.path.name
         sc.tracking.parent_run_id = parent_run_id
         sc.tracking.uri = uri or cfg.tracking.uri  # the stages log next to their pipeline's run
-        sc.pipeline.stages, sc.pipeline.updates = [], None
+        sc.section(PipelineConfig).stages, sc.section(PipelineConfig).updates = [], None
         out.append((rd, sc))
         prev = str(rd.center)
     return out
@@ -70,11 +82,22 @@ def stage_configs(
 
 class Pipeline(Algorithm):
     name: ClassVar[str] = "pipeline"
+    section: ClassVar[str] = "pipeline"
+    config: ClassVar[type] = PipelineConfig
     multi_rank: ClassVar[bool] = False  # one driver process; a GRPO stage starts its own ranks
+    keeps_weights: ClassVar[str] = (
+        "a pipeline's stages hand their weights to the next stage through center.safetensors (its "
+        "model.init_weights), and a GRPO stage cannot rebuild its weights from a log"
+    )
 
     @classmethod
-    def check(cls, cfg: Any, errors: list[str]) -> None:
-        p = cfg.pipeline
+    def inert(cls, sections: tuple[str, ...]) -> tuple[str, ...]:
+        return ()  # the stages read their algorithms' sections
+
+    @classmethod
+    def check(cls, cfg: TrainConfig, errors: list[str]) -> None:
+        cls.check_center(cfg, errors)
+        p = cfg.section(PipelineConfig)
         bad = [s for s in p.stages if s not in STAGE_ALGORITHMS]
         if not p.stages or bad:
             errors.append(f"pipeline.stages: expected a list of es / grpo, e.g. [es, grpo]; got {p.stages!r}")
@@ -88,27 +111,38 @@ class Pipeline(Algorithm):
             errors.append(f"pipeline.split: expected {len(p.stages)} positive shares, one per stage; got {p.split!r}")
         if not bad:
             for algo in dict.fromkeys(p.stages):
-                _stage_backend(cfg, algo, errors)
+                why = BACKENDS.unsupported(cfg.backend.name, algo)
+                if why:
+                    errors.append(f"backend.name: {cfg.backend.name} cannot run the {algo} stage: {why}")
+                ALGORITHMS.get(algo).check_stage(cfg, errors)
 
     @classmethod
-    def planned_budget(cls, cfg: Any) -> int | None:
-        return cfg.pipeline.updates
+    def planned_budget(cls, cfg: TrainConfig) -> int | None:
+        return cfg.section(PipelineConfig).updates
 
     @classmethod
-    def budget(cls, cfg: Any, n_train: int) -> int:
-        return cfg.pipeline.updates
+    def budget(cls, cfg: TrainConfig, n_train: int) -> int:
+        return cfg.section(PipelineConfig).updates
 
     @classmethod
     def run(
-        cls, cfg: Any, run_dir: Path, *, resume: bool, progress: bool, run_name: str | None, tags: dict[str, str]
+        cls,
+        cfg: TrainConfig,
+        run_dir: Path,
+        *,
+        resume: bool,
+        progress: bool,
+        run_name: str | None,
+        tags: dict[str, str],
     ) -> dict[str, Any]:
         """Run the stages in order; returns a summary with each stage's folder and MLflow run."""
         with RunSession(cfg, run_dir, resume=resume, run_name=run_name, tags=tags, logs_updates=False) as run:
             if resume:  # budgets may have changed (RESUME_OVERRIDABLE): the folder keeps the current config
                 run.rd.config.write_text(cfg.to_yaml())
-            total = cfg.pipeline.updates
-            run.tags["pipeline.stages"] = "->".join(cfg.pipeline.stages)
-            run.start(total, stages=list(cfg.pipeline.stages))
+            p = cfg.section(PipelineConfig)
+            total = p.updates
+            run.tags["pipeline.stages"] = "->".join(p.stages)
+            run.start(total, stages=list(p.stages))
             stages = stage_configs(cfg, run.rd.path, run.run_id, run.uri)
             done_before, summaries = 0, []
             for rd, sc in stages:
@@ -122,19 +156,11 @@ class Pipeline(Algorithm):
             return run.summary(total, stages=summaries, center=str(run.rd.center))
 
 
-def _stage_backend(cfg: Any, algo: str, errors: list[str]) -> None:
-    from esbatch.backends import BACKENDS
-
-    why = BACKENDS.unsupported(cfg.backend.name, algo)
-    if why:
-        errors.append(f"backend.name: {cfg.backend.name} cannot run the {algo} stage: {why}")
-
-
 def _ids(rd: RunDir) -> dict[str, Any]:
     return {"mlflow_run_id": rd.read_meta().get("mlflow_run_id")}
 
 
-def _run_stage(run: RunSession, rd: RunDir, sc: Any, done_before: int, progress: bool) -> None:
+def _run_stage(run: RunSession, rd: RunDir, sc: TrainConfig, done_before: int, progress: bool) -> None:
     """One stage as an `esbatch train` subprocess; its progress flows into the pipeline's run.json."""
     stage_yaml = run.rd.path / f"{rd.path.name}.yaml"
     stage_yaml.write_text(sc.to_yaml())

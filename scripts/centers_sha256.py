@@ -49,7 +49,7 @@ def main() -> None:
     model = make_tiny_model(work / "tiny")
     runs = work / "runs"
     sets = [f"run.output_dir={runs}", "run.name=qs", "es.updates=3", "task.heldout_size=0", "eval.every=0",
-            "checkpoint.every=0", "run.threads=1"]
+            "run.threads=1"]
     train(["quickstart", *(a for s in sets for a in ("--set", s))])
     common = dict(run={"seed": 3, "threads": 1, "output_dir": str(runs)}, eval={"every": 0}, heldout=0,
                   gen_batch=16, tracking={"experiment": "centers"})

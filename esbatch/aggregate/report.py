@@ -38,8 +38,8 @@ from esbatch.config.aggregate import (
     _is_num,
     parse_specs,
 )
-from esbatch.schema import ConfigError
 from esbatch.registry import did_you_mean
+from esbatch.schema import ConfigError
 
 SEED_KEYS = ("run.seed",)
 # Parameters that differ between runs without changing what is measured: not grouping axes.

@@ -6,30 +6,34 @@ the kind of a file and checks it without loading a model.
 
 from esbatch.config.run import (
     RESUME_OVERRIDABLE,
-    BackendConfig,
-    CheckpointConfig,
-    ESConfig,
-    GenerationConfig,
-    GRPOConfig,
-    InTrainingEvalConfig,
-    ModelConfig,
-    PipelineConfig,
-    RewardConfig,
-    RunConfig,
-    TaskConfig,
-    TrackingConfig,
-    TrainConfig,
+    Config,
     config_from_dict,
     load_config,
     load_run_config,
     parse_overrides,
 )
+from esbatch.es.config import ESConfig
+from esbatch.grpo.config import GRPOConfig
+from esbatch.pipeline import PipelineConfig
 from esbatch.schema import ConfigError, deep_merge, describe, flatten, setting
+from esbatch.train.config import TrainConfig
+from esbatch.train.sections import (
+    BackendConfig,
+    CheckpointConfig,
+    GenerationConfig,
+    InTrainingEvalConfig,
+    ModelConfig,
+    RewardConfig,
+    RunConfig,
+    TaskConfig,
+    TrackingConfig,
+)
 
 __all__ = [
     "RESUME_OVERRIDABLE",
     "BackendConfig",
     "CheckpointConfig",
+    "Config",
     "ConfigError",
     "ESConfig",
     "GRPOConfig",

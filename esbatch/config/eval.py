@@ -18,18 +18,18 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from esbatch.config.loader import find, read_yaml
-from esbatch.config.run import (  # EvalTask and _ks live with the run config: in-training evals use them too
+from esbatch.config.run import parse_overrides
+from esbatch.registry import did_you_mean
+from esbatch.schema import ConfigError, Schema, build, deep_merge, setting
+from esbatch.train.rundir import RunDir
+from esbatch.train.sections import (  # the run config's sections: in-training evals use them too
     BackendConfig,
     EvalTask,
     ModelConfig,
     TrackingConfig,
     ks_list,
     model_errors,
-    parse_overrides,
 )
-from esbatch.schema import ConfigError, Schema, build, deep_merge, setting
-from esbatch.registry import did_you_mean
-from esbatch.train.rundir import RunDir
 
 
 @dataclass

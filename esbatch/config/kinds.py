@@ -9,10 +9,10 @@ from typing import Any
 from esbatch.config.eval import EvalConfig
 from esbatch.config.launcher import LauncherProfile
 from esbatch.config.loader import KINDS
-from esbatch.config.run import TrainConfig
+from esbatch.config.run import Config
 from esbatch.config.sweep import SweepFile
 
-SCHEMAS = {"config": TrainConfig, "sweep": SweepFile, "launcher": LauncherProfile, "eval": EvalConfig}
+SCHEMAS = {"config": Config, "sweep": SweepFile, "launcher": LauncherProfile, "eval": EvalConfig}
 
 
 def detect_kind(data: dict[str, Any], path: Path | None = None) -> str:

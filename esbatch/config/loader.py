@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from esbatch.schema import ConfigError
 from esbatch.registry import did_you_mean
+from esbatch.schema import ConfigError
 
 BUILTIN_DIR = Path(__file__).resolve().parents[1] / "builtin"
 

@@ -24,11 +24,11 @@ def schemas() -> dict[str, list[tuple[str, type]]]:
     from esbatch.config.aggregate import KINDS as ANALYSES
     from esbatch.config.eval import EvalConfig
     from esbatch.config.launcher import LauncherProfile
-    from esbatch.config.run import TrainConfig
+    from esbatch.config.run import Config
     from esbatch.config.sweep import SweepFile
 
     return {
-        "config": [("", TrainConfig)],
+        "config": [("", Config)],
         "sweep": [("", SweepFile)],
         "launcher": [("", LauncherProfile)],
         "eval": [("", EvalConfig)],
@@ -54,7 +54,9 @@ def markdown() -> str:
     out = [
         "# Config reference",
         "",
-        "Generated from the schemas in `esbatch/config/` by `python -m esbatch.config.reference > "
+        "Generated from the schemas (run configs: `esbatch/train/sections.py` and each algorithm's section, "
+        "`esbatch/es/config.py`, `esbatch/grpo/config.py`, `esbatch/pipeline.py`; the other kinds: `esbatch/config/`) "
+        "by `python -m esbatch.config.reference > "
         "docs/config-reference.md`; a test fails when it is out of date. `esbatch validate --schema [--kind K]` "
         "prints the same.",
     ]

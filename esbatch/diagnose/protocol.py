@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 
 from esbatch.diagnose.kappa import KappaStats, kappa_stats
+from esbatch.grpo.config import GRPOConfig
 from esbatch.tasks import TASKS
+from esbatch.train.config import TrainConfig
 
 OBJECTIVES = ("regenerated", "sst2-ce", "fixed")
 SEED_MODES = ("common", "independent")
@@ -224,7 +226,7 @@ def _regen_seeds(run_seed: int, proto: KappaProtocol, kind: str) -> list[int]:
     return sorted({generation_seed(run_seed, s, kind, m) for s in range(proto.seeds) for m in proto.seed_modes})
 
 
-def planned_evaluations(cfg: Any, proto: KappaProtocol) -> int:
+def planned_evaluations(cfg: TrainConfig, proto: KappaProtocol) -> int:
     """Generate or score calls the protocol makes (the progress bar's total)."""
     total, perturbed = 0, 2 * len(proto.sigmas)
     if "regenerated" in proto.objectives:
@@ -237,7 +239,9 @@ def planned_evaluations(cfg: Any, proto: KappaProtocol) -> int:
     return total
 
 
-def run_kappa(cfg: Any, proto: KappaProtocol, backend: Any, tick: Callable[[int], None] = lambda n: None) -> list[Cell]:
+def run_kappa(
+    cfg: TrainConfig, proto: KappaProtocol, backend: Any, tick: Callable[[int], None] = lambda n: None
+) -> list[Cell]:
     """All cells of the diagnostic for a validated run config ``cfg`` on ``backend`` (an ESBackend at theta).
 
     ``tick(n)`` is called after every n generate/score calls (a progress bar)."""
@@ -252,7 +256,7 @@ def run_kappa(cfg: Any, proto: KappaProtocol, backend: Any, tick: Callable[[int]
     return cells
 
 
-def _prompts(cfg: Any, backend: Any, n: int) -> tuple[Any, list[Any], list[str]]:
+def _prompts(cfg: TrainConfig, backend: Any, n: int) -> tuple[Any, list[Any], list[str]]:
     from esbatch.train.problems import load_problems
 
     probs = load_problems(cfg, backend)
@@ -264,7 +268,9 @@ def _prompts(cfg: Any, backend: Any, n: int) -> tuple[Any, list[Any], list[str]]
     return probs.task, probs.train[:n], probs.train_prompts[:n]
 
 
-def _regenerated(cfg: Any, proto: KappaProtocol, backend: Any, seed: int, tick: Callable[[int], None]) -> list[Cell]:
+def _regenerated(
+    cfg: TrainConfig, proto: KappaProtocol, backend: Any, seed: int, tick: Callable[[int], None]
+) -> list[Cell]:
     from esbatch.backends.base import SamplingParams
     from esbatch.train.problems import reward_of
 
@@ -346,7 +352,7 @@ def _supervised(proto: KappaProtocol, backend: Any, seed: int, tick: Callable[[i
     return cells
 
 
-def _fixed(cfg: Any, proto: KappaProtocol, backend: Any, seed: int, tick: Callable[[int], None]) -> list[Cell]:
+def _fixed(cfg: TrainConfig, proto: KappaProtocol, backend: Any, seed: int, tick: Callable[[int], None]) -> list[Cell]:
     import torch
 
     from esbatch.backends.base import SamplingParams
@@ -369,7 +375,7 @@ def _fixed(cfg: Any, proto: KappaProtocol, backend: Any, seed: int, tick: Callab
             ids = x.token_ids if x.token_ids is not None else tok(x.text, add_special_tokens=False)["input_ids"]
             pairs.append((prompt_ids[i], list(ids)))
             rewards[i, s] = reward_of(task.score(x.text, ex), cfg)
-    adv = group_advantages(rewards, cfg.grpo.scale_rewards)  # [prompts, seeds]; pairs are seed-major
+    adv = group_advantages(rewards, cfg.section(GRPOConfig).scale_rewards)  # [prompts, seeds]; pairs are seed-major
     advantages = [float(adv[i, s]) for s in range(proto.fixed_seeds) for i in range(len(prompts))]
     points = _Points(backend, direction_seeds(seed, proto.fixed_directions))
 
@@ -381,7 +387,7 @@ def _fixed(cfg: Any, proto: KappaProtocol, backend: Any, seed: int, tick: Callab
     at_points = {pt: points.at(pt, logprobs) for pt in _points(proto.sigmas, proto.fixed_directions)}
     old = at_points[("0",)]
     values = {
-        pt: fixed_objectives(lp, old, advantages, cfg.grpo.epsilon, cfg.grpo.epsilon_high)
+        pt: fixed_objectives(lp, old, advantages, cfg.section(GRPOConfig).epsilon, cfg.section(GRPOConfig).epsilon_high)
         for pt, lp in at_points.items()
     }
     cells = []

@@ -1,31 +1,41 @@
-"""Full-parameter Evolution Strategies (paper App. G.1): the population and reward shaping (core.py) and
-the update step (trainer.py). The weights move inside the backend (esbatch/perturb/)."""
+"""Full-parameter Evolution Strategies (paper App. G.1): its config section (config.py), the population and
+reward shaping (core.py) and the update step with its replay (trainer.py). The weights move inside the backend
+(esbatch/perturb/)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from esbatch.train.algorithms import Algorithm
-from esbatch.train.lifecycle import Trainer
+from esbatch.es.config import ESConfig, diversity_errors, lowrank_errors, restore_errors
+from esbatch.train.config import TrainConfig
+from esbatch.train.lifecycle import RunSession, Trainer, UpdateAlgorithm
 
 
-class ES(Algorithm):
+class ES(UpdateAlgorithm):
     name: ClassVar[str] = "es"
     section: ClassVar[str] = "es"
-    inert: ClassVar[tuple[str, ...]] = ("grpo", "pipeline")
+    config: ClassVar[type] = ESConfig
+    resumable: ClassVar[tuple[str, ...]] = (
+        "updates",
+        "epochs",
+        "diversity.every",  # diagnostics: the center never depends on them (esbatch/es/trainer.py)
+        "diversity.samples",
+    )
+    replays_log: ClassVar[bool] = True
 
     @classmethod
-    def check(cls, cfg: Any, errors: list[str]) -> None:
+    def check(cls, cfg: TrainConfig, errors: list[str]) -> None:
         super().check(cfg, errors)
-        if cfg.es.diversity.samples > 1 and cfg.generation.temperature == 0:
-            errors.append(
-                f"es.diversity.samples: {cfg.es.diversity.samples} responses per member and prompt need sampling, "
-                "but generation.temperature is 0 (greedy: every response is the same); use samples: 1 or a "
-                "temperature > 0"
-            )
+        cls.check_stage(cfg, errors)
 
     @classmethod
-    def trainer(cls, cfg: Any, session: Any) -> Trainer:
-        from esbatch.es.trainer import ESTrainer
+    def check_stage(cls, cfg: TrainConfig, errors: list[str]) -> None:
+        diversity_errors(cfg, errors)
+        restore_errors(cfg, errors)
+        lowrank_errors(cfg, errors)
+
+    @classmethod
+    def trainer(cls, cfg: TrainConfig, session: RunSession) -> Trainer:
+        from esbatch.es.trainer import ESTrainer  # heavy: torch
 
         return ESTrainer(cfg, session.rd, session.ranks)

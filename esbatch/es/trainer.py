@@ -24,10 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from esbatch.backends import BACKENDS, ESBackend, PerturbedMember, SamplingParams
+from esbatch.es.config import ESConfig
 from esbatch.es.core import Member, direction_weights, draw_population, normalize
 from esbatch.metrics import diversity_metrics
 from esbatch.perturb.update import UpdateSpec
 from esbatch.tasks import Verdict
+from esbatch.train.config import TrainConfig
 from esbatch.train.flops import es_flops
 from esbatch.train.lifecycle import Trainer
 from esbatch.train.problems import Problems, evaluate_heldout, load_problems, reward_of
@@ -38,14 +40,14 @@ from esbatch.train.schedule import batch_indices, schedule_start
 SINGLE = Ranks()  # one process: no torch.distributed
 
 
-def es_step(cfg: Any, backend: ESBackend, probs: Problems, t: int, ranks: Ranks = SINGLE) -> dict[str, Any]:
+def es_step(cfg: TrainConfig, backend: ESBackend, probs: Problems, t: int, ranks: Ranks = SINGLE) -> dict[str, Any]:
     """Evaluate the population of update t and apply the update; returns the log record.
 
     With several ranks each evaluates members rank, rank + W, ... (es.dispatch: static) or the members it takes
     from a shared counter (dynamic); the rewards are all-gathered and every rank applies the same update
     (esbatch/train/ranks.py).
     """
-    es, gen = cfg.es, cfg.generation
+    es, gen = cfg.section(ESConfig), cfg.generation
     sampling = SamplingParams(gen.temperature, gen.top_p, gen.max_new_tokens)
     n = len(probs.train)
     epoch, idx = batch_indices(cfg.run.seed, t, n, es.batch_size, schedule_start(n, cfg.run.data_before))
@@ -122,7 +124,7 @@ def diversity_seed(gen_seed: int) -> int:
 
 
 def population_success(
-    cfg: Any,
+    cfg: TrainConfig,
     backend: ESBackend,
     probs: Problems,
     members: list[Member],
@@ -138,7 +140,8 @@ def population_success(
     members this rank evaluated); the other m - 1 come from a second pass over the same members with
     sampling.n = m - 1 and diversity_seed.
     """
-    es, gen, m = cfg.es, cfg.generation, cfg.es.diversity.samples
+    es, gen = cfg.section(ESConfig), cfg.generation
+    m = es.diversity.samples
     hits = {i: [float(v is Verdict.CORRECT) for v in verdicts[i]] for i in mine}
     tokens = dict.fromkeys(mine, 0)
     t0 = time.perf_counter()
@@ -212,11 +215,11 @@ def inplace_ranks_error(world: int) -> str:
 class ESTrainer(Trainer):
     label = "ES"
 
-    def __init__(self, cfg: Any, rd: RunDir, ranks: Ranks) -> None:
+    def __init__(self, cfg: TrainConfig, rd: RunDir, ranks: Ranks) -> None:
         self.cfg, self.rd, self.ranks = cfg, rd, ranks
 
     def setup(self) -> int:
-        if self.cfg.es.restore == "inplace" and self.ranks.world > 1:
+        if self.cfg.section(ESConfig).restore == "inplace" and self.ranks.world > 1:
             raise ValueError(inplace_ranks_error(self.ranks.world))
         self.backend = BACKENDS.get(self.cfg.backend.name).for_es(self.cfg)
         self.probs = load_problems(self.cfg, self.backend)

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from esbatch.train.config import TrainConfig
 from esbatch.train.rundir import RunDir, RunFolderError
 
 
@@ -73,7 +74,7 @@ def stored_center(rd: RunDir, t: int, algorithm: str) -> Path:
     )
 
 
-def rebuild_es_center(cfg: Any, rd: RunDir, t: int) -> dict[str, Any]:
+def rebuild_es_center(cfg: TrainConfig, rd: RunDir, t: int) -> dict[str, Any]:
     """theta_0 of the run plus its first ``t`` logged updates, replayed with the trainer's own arithmetic."""
     from esbatch.backends import BACKENDS
     from esbatch.es.trainer import replay

@@ -22,6 +22,7 @@ from esbatch.metrics import pass_at_k
 from esbatch.tasks import TASKS
 from esbatch.tasks.base import Example
 from esbatch.train import stop
+from esbatch.train.config import TrainConfig
 from esbatch.train.rundir import RunDir, RunFolderError, read_jsonl
 from esbatch.train.taskeval import few_shot_demos, score_responses, task_metrics  # shared with in-training evals
 
@@ -56,7 +57,7 @@ def resolve_weights(cfg: EvalConfig) -> WeightsSource:
     return WeightsSource(cfg.model, description=f"base model {cfg.model.name}")
 
 
-def _final_weights(rd: RunDir, train_cfg: Any, meta: dict[str, Any]) -> WeightsSource:
+def _final_weights(rd: RunDir, train_cfg: TrainConfig, meta: dict[str, Any]) -> WeightsSource:
     """A run's final weights by its checkpoint.center: center.safetensors; else final_model/ (the compute-dtype
     export) when it holds the last logged update; else (ES) the center rebuilt from the log."""
     from esbatch.eval.center import newest_t
@@ -76,7 +77,7 @@ def _final_weights(rd: RunDir, train_cfg: Any, meta: dict[str, Any]) -> WeightsS
     return WeightsSource(train_cfg.model, None, uri, run_id, what, replay=(rd, t))
 
 
-def _center_after(rd: RunDir, train_cfg: Any, t: int) -> tuple[Path, str]:
+def _center_after(rd: RunDir, train_cfg: TrainConfig, t: int) -> tuple[Path, str]:
     """The file holding run ``rd``'s center after ``t`` updates (ES: rebuilt from the log when not kept)."""
     from esbatch.eval.center import center_at, stored_center
 

@@ -22,8 +22,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from esbatch.grpo.config import GRPOConfig
 from esbatch.metrics import diversity_metrics
 from esbatch.tasks import Verdict
+from esbatch.train.config import TrainConfig
 from esbatch.train.flops import grpo_flops
 from esbatch.train.lifecycle import Trainer
 from esbatch.train.problems import evaluate_heldout, load_problems, reward_of
@@ -82,18 +84,18 @@ def clear_stale_build_locks(max_age_s: float = 600.0, root: str | Path | None = 
     return removed
 
 
-def micro_batches(cfg: Any, world: int) -> int:
+def micro_batches(cfg: TrainConfig, world: int) -> int:
     """Forward/backward passes per optimizer step on every rank: ceil(S / micro_batch_size), S the sequences
     of the largest rank share, ceil(B / world) x G (1 without micro-batching). Ranks with fewer sequences
     (an uneven or tail batch) pad with zero-weight passes: DeepSpeed's accumulation counts backward calls."""
-    g = cfg.grpo
+    g = cfg.section(GRPOConfig)
     if g.micro_batch_size is None:
         return 1
     return -(-(-(-g.batch_size // world) * g.group_size) // g.micro_batch_size)
 
 
-def ds_config(cfg: Any, world: int, on_gpu: bool) -> dict[str, Any]:
-    g = cfg.grpo
+def ds_config(cfg: TrainConfig, world: int, on_gpu: bool) -> dict[str, Any]:
+    g = cfg.section(GRPOConfig)
     gas = micro_batches(cfg, world)
     return {
         # DeepSpeed's "micro-batch" is one of our micro-batches of sequences; our losses are already normalised
@@ -119,8 +121,9 @@ def _step_seed(seed: int, t: int, rank: int) -> int:
 class GRPOTrainer(Trainer):
     label = "GRPO"
 
-    def __init__(self, cfg: Any, rd: RunDir, ranks: Ranks, device: str) -> None:
+    def __init__(self, cfg: TrainConfig, rd: RunDir, ranks: Ranks, device: str) -> None:
         self.cfg, self.rd, self.ranks, self.device = cfg, rd, ranks, device
+        self.grpo = cfg.section(GRPOConfig)
         self._checksum: float | None = None
         self._batch: dict[str, Any] | None = None  # the generated batch the next steps train on
         self.theta0: dict[str, Any] | None = None  # rank 0, tracking.drift: fp32 theta_0 on CPU
@@ -140,7 +143,7 @@ class GRPOTrainer(Trainer):
             self.theta0 = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in model.named_parameters()}
         if m.init_weights:  # an earlier pipeline stage's weights
             load_weights(model, m.init_weights)
-        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.grpo.beta > 0 else None
+        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if self.grpo.beta > 0 else None
         model.requires_grad_(True)  # loaded for inference; the policy trains every parameter
         self.engine, *_ = deepspeed.initialize(
             model=model,
@@ -164,7 +167,7 @@ class GRPOTrainer(Trainer):
         _, client = self.engine.load_checkpoint(str(self.rd.ds_checkpoint))
         start = int(client["step"])
         self.saved_at = start if self.rd.center_t() == start else -1  # the final center may be missing
-        if start % self.cfg.grpo.iterations:  # inside a generated batch: continue on the stored one
+        if start % self.grpo.iterations:  # inside a generated batch: continue on the stored one
             import torch
 
             path = self._batch_file(start)
@@ -179,7 +182,7 @@ class GRPOTrainer(Trainer):
     def step(self, t: int) -> dict[str, Any]:
         """One optimizer step on this rank's share of the batch (generated first when t % mu == 0); the record
         holds metrics averaged over ranks."""
-        mu = self.cfg.grpo.iterations
+        mu = self.grpo.iterations
         generated = self._batch is None or self._batch["index"] != t // mu
         if generated:
             self._batch = self._rollouts(t // mu)
@@ -209,7 +212,7 @@ class GRPOTrainer(Trainer):
         }
         record = {"t": t, "metrics": metrics, "param_checksums": [float(c) for c in m[:, 8]]}
         if share is not None:
-            record["diversity"] = {"p": [share], "batch": b["batch"], "samples": self.cfg.grpo.group_size}
+            record["diversity"] = {"p": [share], "batch": b["batch"], "samples": self.grpo.group_size}
             div = diversity_metrics([share])
             metrics.update({f"diversity/{k}": div[k] for k in ("js", "h_members", "p_mean")})
         return record
@@ -254,7 +257,7 @@ class GRPOTrainer(Trainer):
 
         from esbatch.backends.base import SamplingParams
 
-        g, gc = self.cfg.grpo, self.cfg.generation
+        g, gc = self.grpo, self.cfg.generation
         sampling = SamplingParams(gc.temperature, gc.top_p, gc.max_new_tokens, n=g.group_size)
         self.engine.module.eval()
         prompts = [self.probs.train_prompts[i] for i in mine]
@@ -274,14 +277,14 @@ class GRPOTrainer(Trainer):
 
         everyone = [torch.zeros_like(rewards) for _ in range(self.ranks.world)]
         dist.all_gather(everyone, rewards)
-        if self.cfg.grpo.scale_rewards == "batch":
+        if self.grpo.scale_rewards == "batch":
             return (rewards - rewards.mean(1, keepdim=True)) / (torch.cat(everyone).std() + 1e-4)
-        return group_advantages(rewards, scale=self.cfg.grpo.scale_rewards)
+        return group_advantages(rewards, scale=self.grpo.scale_rewards)
 
     def _rollouts(self, index: int) -> dict[str, Any]:
         """Generate and score batch ``index`` (this rank's share), with everything its mu optimizer steps
         reuse: sequences, advantages, old log-probs (mu > 1) and reference log-probs (beta > 0)."""
-        cfg, g = self.cfg, self.cfg.grpo
+        cfg, g = self.cfg, self.grpo
         n = len(self.probs.train)
         _, idx = batch_indices(cfg.run.seed, index, n, g.batch_size, schedule_start(n, cfg.run.data_before))
         mine = idx[self.ranks.rank :: self.ranks.world] or idx[:1]  # a short tail batch: idle ranks repeat a
@@ -294,7 +297,7 @@ class GRPOTrainer(Trainer):
 
     def _prepare(self, mine: list[int], gens: list[Any], adv: Any, weight: float) -> dict[str, Any]:
         """The tensors the optimizer steps on one generated batch reuse, and the batch's FLOPs."""
-        g = self.cfg.grpo
+        g = self.grpo
         ids, attn, mask, n_prompt = self._sequences(mine, gens)
         self.engine.module.train()  # the mode of the training forward, so the first inner step has ratio 1
         old = self._logprobs(self.engine.module, ids, attn) if g.iterations > 1 else None
@@ -316,7 +319,7 @@ class GRPOTrainer(Trainer):
 
     def _slices(self, n: int) -> list[slice]:
         """This rank's n sequences in micro-batches of ``grpo.micro_batch_size`` (the last may be short)."""
-        size = self.cfg.grpo.micro_batch_size or n
+        size = self.grpo.micro_batch_size or n
         return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
     def _logits(self, model: Any, ids: Any, attn: Any, sl: slice) -> tuple[Any, int]:
@@ -352,7 +355,7 @@ class GRPOTrainer(Trainer):
 
         from esbatch.grpo.core import grpo_loss, token_entropy, token_logprobs
 
-        g, temp = self.cfg.grpo, self.cfg.generation.temperature or 1.0
+        g, temp = self.grpo, self.cfg.generation.temperature or 1.0
         ids, attn, mask, adv, weight = b["ids"], b["attn"], b["mask"], b["adv"], b["weight"]
         parts = self._slices(ids.shape[0])
         whole = len(parts) == 1  # the unbatched computation, term for term
@@ -408,7 +411,7 @@ class GRPOTrainer(Trainer):
         (shifted to the predicted positions), and the prompt tokens (repeated per response)."""
         import torch
 
-        tok, G = self.tok, self.cfg.grpo.group_size
+        tok, G = self.tok, self.grpo.group_size
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         prompt_ids = tok([self.probs.train_prompts[i] for i in mine], add_special_tokens=False)["input_ids"]
         seqs = [prompt_ids[j // G] + list(x.token_ids) for j, x in enumerate(gens)]
@@ -439,7 +442,7 @@ class GRPOTrainer(Trainer):
 
     def save(self, t: int, final: bool) -> None:
         self.engine.save_checkpoint(str(self.rd.ds_checkpoint), tag=f"step{t}", client_state={"step": t})
-        if t % self.cfg.grpo.iterations and self._batch is not None:  # resuming here reuses this batch
+        if t % self.grpo.iterations and self._batch is not None:  # resuming here reuses this batch
             import torch
 
             torch.save(self._batch, self._batch_file(t))

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from esbatch.es.config import ESConfig
 from esbatch.models import NOMINAL_PARAMETERS, parameter_count
+from esbatch.train.config import TrainConfig
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -55,7 +57,7 @@ def human(n: float) -> str:
     return ""  # unreachable
 
 
-def run_disk(cfg: Any, params: int | None) -> RunDisk:
+def run_disk(cfg: TrainConfig, params: int | None) -> RunDisk:
     """The weight files run config ``cfg`` leaves on disk, for a model of ``params`` parameters."""
     out = RunDisk(params)
     if params is None:
@@ -78,7 +80,7 @@ def run_disk(cfg: Any, params: int | None) -> RunDisk:
         n = math.ceil(budget / ck.every) if budget else 1
         out.items.append((f"ds_checkpoint/: {n} x {human(per_ckpt)} (estimate)", n * per_ckpt))
     else:
-        inplace = cfg.es.restore == "inplace"
+        inplace = cfg.section(ESConfig).restore == "inplace"
         center, dtype = params * (d if inplace else 4), (cfg.model.dtype if inplace else "fp32")
         if ck.center == "every":
             out.items.append((f"center.safetensors ({dtype})", center))

@@ -27,8 +27,8 @@ from typing import Any
 
 from esbatch.config.eval import eval_config_from_dict
 from esbatch.config.loader import find, read_yaml
-from esbatch.schema import ConfigError, deep_merge
 from esbatch.registry import did_you_mean
+from esbatch.schema import ConfigError, deep_merge
 
 BASE_PREFIX, RUN_PREFIX, THRESHOLD_PREFIX = "base-", "ev-", "thr-"
 SOURCE_FILE = "source.json"  # which center an eval of a trained run evaluated: {run, updates}

@@ -18,11 +18,12 @@ from typing import Any
 from esbatch.config.aggregate import parse_specs
 from esbatch.config.launcher import LauncherProfile, load_profile
 from esbatch.config.loader import find, read_yaml
-from esbatch.config.run import RESUME_OVERRIDABLE, TrainConfig, config_from_dict, parse_overrides
+from esbatch.config.run import RESUME_OVERRIDABLE, Config, config_from_dict, parse_overrides
 from esbatch.config.sweep import SWEEP_KEYS, SweepFile
 from esbatch.launch.evals import PlannedEval, load_eval_bases, load_threshold_base, plan_evals, plan_threshold
 from esbatch.registry import did_you_mean
 from esbatch.schema import ConfigError, build, deep_merge, describe, flatten
+from esbatch.train.config import TrainConfig
 
 __all__ = ["SWEEP_KEYS", "PlannedRun", "Sweep", "load_sweep", "run_key"]
 
@@ -68,8 +69,8 @@ def run_key(cfg: TrainConfig) -> str:
     default) in a later esbatch version does not change the ids of existing runs. Sections the algorithm
     does not read (``Algorithm.inert``) are left out too.
     """
-    unused = tuple(f"{sec}." for sec in cfg.algo().inert)
-    defaults = flatten(TrainConfig().to_dict())
+    unused = tuple(f"{sec}." for sec in cfg.inert_sections())
+    defaults = flatten(type(cfg)().to_dict())
     flat = {
         k: v
         for k, v in flatten(cfg.to_dict()).items()
@@ -80,7 +81,7 @@ def run_key(cfg: TrainConfig) -> str:
 
 def _schema_keys() -> tuple[set[str], set[str]]:
     keys, dict_keys = set(), set()
-    for key, tp, _default, _help in describe(TrainConfig):
+    for key, tp, _default, _help in describe(Config):
         keys.add(key)
         if tp.startswith("dict"):
             dict_keys.add(key)

@@ -22,9 +22,11 @@ from submitit.helpers import Checkpointable
 
 from esbatch.config import load_run_config
 from esbatch.config.eval import eval_config_from_dict
+from esbatch.es.config import ESConfig
 from esbatch.launch.evals import SOURCE_FILE, is_eval_key, source_record
 from esbatch.launch.state import SweepDir
 from esbatch.train import stop, train, watchdog
+from esbatch.train.config import TrainConfig
 
 
 def slurm_tags() -> dict[str, str]:
@@ -89,12 +91,12 @@ def run_eval_task(sd: SweepDir, key: str, progress: bool = False) -> dict[str, A
     return evaluate(cfg, progress=progress)
 
 
-def keep_recorded_noise(cfg: Any, run_dir: Path) -> None:
+def keep_recorded_noise(cfg: TrainConfig, run_dir: Path) -> None:
     """A resumed run keeps the noise generator its logged updates were drawn with: the plan of a sweep written
     before ``es.noise`` existed loads with today's default, while its run folder was trained with ``legacy-cpu``
     (esbatch/config/run.py:load_run_config); replaying that log with another generator would move the center
     elsewhere without a word."""
-    cfg.es.noise = load_run_config(run_dir).es.noise
+    cfg.section(ESConfig).noise = load_run_config(run_dir).section(ESConfig).noise
 
 
 def run_task(sweep_dir: str | Path, key: str, progress: bool = False) -> dict[str, Any]:

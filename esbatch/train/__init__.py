@@ -5,11 +5,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from esbatch.train.config import TrainConfig
 
 
 def train(
-    cfg: Any,
+    cfg: TrainConfig,
     run_dir: str | Path,
     *,
     resume: bool = False,

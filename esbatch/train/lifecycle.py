@@ -23,7 +23,8 @@ from typing import Any, ClassVar
 
 from esbatch.tracking import default_tracking_uri
 from esbatch.train import stop
-from esbatch.train.ranks import Ranks
+from esbatch.train.config import Algorithm, TrainConfig
+from esbatch.train.ranks import Ranks, collective_timeout_min, init_ranks
 from esbatch.train.rundir import RunDir
 from esbatch.train.watchdog import Watchdog
 
@@ -107,7 +108,7 @@ class RunSession:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: TrainConfig,
         run_dir: str | Path,
         *,
         resume: bool,
@@ -378,3 +379,33 @@ def _train_loop(run: RunSession, trainer: Trainer, start: int, total: int, progr
         evaluate(total, force=True)  # no-op unless the final evaluation was lost the same way
     finally:
         bar.close()
+
+
+class UpdateAlgorithm(Algorithm):
+    """An algorithm that trains update by update: it joins the ranks, opens the run session and hands
+    ``run_updates`` the ``Trainer`` it builds (ES, GRPO)."""
+
+    @classmethod
+    def run(
+        cls,
+        cfg: TrainConfig,
+        run_dir: Path,
+        *,
+        resume: bool,
+        progress: bool,
+        run_name: str | None,
+        tags: dict[str, str],
+    ) -> dict[str, Any]:
+        ranks = cls.join_ranks(cfg)
+        with RunSession(cfg, run_dir, resume=resume, ranks=ranks, run_name=run_name, tags=tags) as session:
+            return run_updates(session, cls.trainer(cfg, session), progress)
+
+    @classmethod
+    def join_ranks(cls, cfg: TrainConfig) -> Ranks:
+        """This process's rank and the world size (a world of one unless started by torchrun or SLURM)."""
+        return init_ranks(collective_timeout_min(cfg))
+
+    @classmethod
+    @abstractmethod
+    def trainer(cls, cfg: TrainConfig, session: RunSession) -> Trainer:
+        """The update loop's algorithm-specific half (set-up, one update, checkpoints, evaluation)."""

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from esbatch.backends.base import Generator, SamplingParams
 from esbatch.tasks import TASKS, Example, Task, Verdict
 from esbatch.tasks.verify import guarded, guarded_score, scoring_warning
+from esbatch.train.config import TrainConfig
 
 
 @dataclass
@@ -21,7 +21,7 @@ class Problems:
     heldout_prompts: list[str]
 
 
-def load_problems(cfg: Any, generator: Generator) -> Problems:
+def load_problems(cfg: TrainConfig, generator: Generator) -> Problems:
     """The training and held-out problems of ``cfg.task``, prompted with ``generator``'s chat template."""
     task = TASKS.get(cfg.task.name)(cfg.task.data_path, **cfg.task.params)
     task.score = guarded(task, "score", Verdict.WRONG)  # the trainers call it: an exception is a WRONG, not a crash
@@ -34,7 +34,7 @@ def load_problems(cfg: Any, generator: Generator) -> Problems:
     return Problems(task, sp["train"], sp["heldout"], render(sp["train"]), render(sp["heldout"]))
 
 
-def reward_of(verdict: Verdict, cfg: Any) -> float:
+def reward_of(verdict: Verdict, cfg: TrainConfig) -> float:
     """The paper's reward (App. G.1): correct 1, well-formatted but wrong 0.1, no answer 0 (configurable)."""
     r = cfg.reward
     rewards = {Verdict.CORRECT: r.correct, Verdict.WRONG: r.format, Verdict.MISSING: r.missing}
@@ -45,7 +45,7 @@ def reward_of(verdict: Verdict, cfg: Any) -> float:
         return r.format
 
 
-def evaluate_heldout(cfg: Any, generator: Generator, probs: Problems) -> dict[str, float]:
+def evaluate_heldout(cfg: TrainConfig, generator: Generator, probs: Problems) -> dict[str, float]:
     """Greedy accuracy and mean reward of the current weights on the held-out problems."""
     if not probs.heldout:
         return {}

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from esbatch.train.config import TrainConfig
+
 
 @dataclass
 class Ranks:
@@ -134,9 +136,9 @@ def combine_rows(parts: list[list[list[float]]]) -> list[list[float]]:
     return rows
 
 
-def collective_timeout_min(cfg: object) -> float:
+def collective_timeout_min(cfg: TrainConfig) -> float:
     """A collective gives up a minute after the watchdog (esbatch/train/watchdog.py) would have named the hang."""
-    return cfg.run.hang_timeout_s / 60 + 1  # type: ignore[attr-defined]
+    return cfg.run.hang_timeout_s / 60 + 1
 
 
 def init_ranks(timeout_min: float = 30.0) -> Ranks:

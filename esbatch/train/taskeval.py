@@ -21,6 +21,7 @@ from typing import Any
 
 from esbatch.metrics import mean_metrics, problem_metrics
 from esbatch.tasks.verify import guarded_answer_key, guarded_score, guarded_score_many
+from esbatch.train.config import TrainConfig
 
 PROBLEM_SEED = 0  # which problems and demonstrations: those `esbatch eval` scores with sampling.seed 0
 
@@ -97,7 +98,7 @@ def rng_untouched() -> Any:
 class TaskEvals:
     """The ``eval.tasks`` of a run config, loaded once (problems and demonstrations) and scored on demand."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: TrainConfig) -> None:
         self.cfg, self.ev = cfg, cfg.eval
         self._loaded: list[tuple[Any, Any, list[Any], list[Any]]] | None = None
         self._prompts: dict[int, list[str]] = {}

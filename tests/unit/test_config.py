@@ -135,3 +135,28 @@ def test_train_rejects_bad_config_before_loading_any_model(tmp_path, capsys):
     assert main(["train", "--set", "es.normalization=zscor", "--set", f"run.output_dir={tmp_path}"]) == 2
     assert "Did you mean 'zscore'" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_an_algorithm_brings_its_own_section_as_docs_extending_says(tmp_path, tiny_model_dir):
+    """The example of docs/extending.md (tests/baseline_algo.py, verbatim): named as "package.module:Class",
+    its section is validated like a built-in one and the run trains with it."""
+    from baseline_algo import BaselineConfig
+    from toy import toy_config
+
+    from esbatch.train import train
+
+    name = "baseline_algo:Baseline"
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"algorithm": name, "baseline": {"batch_sise": 4}})
+    assert "baseline.batch_sise: unknown key. Did you mean 'batch_size'?" in str(e.value)
+    with pytest.raises(ConfigError, match=r"baseline.updates / baseline.epochs: set exactly one training budget"):
+        config_from_dict({"algorithm": name, "baseline": {"batch_size": 4}})
+    raw = toy_config(tiny_model_dir, heldout=2, es=None, algorithm=name, baseline={"batch_size": 3, "updates": 2})
+    raw["run"] |= {"output_dir": str(tmp_path), "name": "b"}
+    cfg = config_from_dict(raw)
+    assert cfg.section(BaselineConfig) == BaselineConfig(batch_size=3, updates=2)
+    assert cfg.to_dict()["baseline"] == {"batch_size": 3, "updates": 2, "epochs": None}
+    assert "es" in cfg.to_dict() and cfg.inert_sections() == ("es", "grpo", "pipeline")
+    summary = train(cfg, tmp_path / "b", progress=False)
+    log = (tmp_path / "b" / "log.jsonl").read_text().splitlines()
+    assert len(log) == 2 and summary["updates"] == 2

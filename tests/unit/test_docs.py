@@ -27,3 +27,10 @@ def test_readme_is_short_and_ci_runs_its_test_command():
     command = test_line.split("#")[0].strip()
     assert command in (ROOT / ".ci" / "run").read_text()
     assert "{{MEASURE" not in readme
+
+
+def test_the_algorithm_example_of_extending_is_the_one_the_tests_run():
+    doc = (ROOT / "docs" / "extending.md").read_text()
+    code = doc[doc.index("# mypkg/baseline.py\n") :].split("```")[0].removeprefix("# mypkg/baseline.py\n")
+    ran = (ROOT / "tests" / "baseline_algo.py").read_text().split("# ruff: noqa\n", 1)[1]
+    assert ran == code, "copy the example of docs/extending.md into tests/baseline_algo.py"

@@ -17,6 +17,7 @@ from esbatch.backends import SamplingParams
 from esbatch.backends.base import ESBackend, Generation, PopulationOutput, UpdateStats
 from esbatch.config import config_from_dict
 from esbatch.es import ES
+from esbatch.es.config import ESConfig
 from esbatch.es.core import draw_population
 from esbatch.es.trainer import ESTrainer, diversity_seed, es_step, inplace_ranks_error, replay
 from esbatch.metrics import diversity_metrics
@@ -616,7 +617,9 @@ def test_the_small_trainer_methods(monkeypatch, tmp_path):
 
 
 def test_es_algorithm_class_attributes_and_trainer():
-    assert (ES.name, ES.section, ES.inert) == ("es", "es", ("grpo", "pipeline"))
+    assert (ES.name, ES.section, ES.config, ES.replays_log) == ("es", "es", ESConfig, True)
+    assert ES.inert(("es", "grpo", "pipeline")) == ("grpo", "pipeline")
+    assert set(ES.resumable) == {"updates", "epochs", "diversity.every", "diversity.samples"}
     cfg = _cfg()
     session = SimpleNamespace(rd=FakeRunDir(), ranks=Ranks(1, 3))
     tr = ES.trainer(cfg, session)

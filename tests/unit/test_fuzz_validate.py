@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from esbatch.cli import main
 from esbatch.config.launcher import LauncherProfile
-from esbatch.config.run import TrainConfig
+from esbatch.config.run import Config as TrainConfig
 from esbatch.config.sweep import SweepFile
 
 

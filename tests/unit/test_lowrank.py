@@ -15,7 +15,7 @@ from esbatch.backends import BACKENDS, PerturbedMember, SamplingParams
 from esbatch.backends.hf import HFGenerator
 from esbatch.backends.hf_lowrank import HFLowRankBackend
 from esbatch.config import ConfigError, config_from_dict
-from esbatch.config.run import LOWRANK_VECTORS, PERTURBATIONS
+from esbatch.es.config import LOWRANK_VECTORS, PERTURBATIONS
 from esbatch.es.trainer import es_step, replay
 from esbatch.perturb import lowrank
 from esbatch.perturb.lowrank import lowrank_update

@@ -420,7 +420,7 @@ def test_a_run_folder_from_before_es_noise_resumes_with_the_legacy_generator(tmp
 
 def test_new_runs_default_to_philox_gauss_and_record_it(tmp_path):
     from esbatch.config import ESConfig, load_config
-    from esbatch.config.run import NOISES
+    from esbatch.es.config import NOISES
 
     assert ESConfig().noise == N.DEFAULT_NOISE == "philox-gauss" and NOISES == N.NOISES
     assert "noise: philox-gauss" in load_config().to_yaml()

@@ -249,22 +249,26 @@ def test_combine_disk_and_scheduler_state(disk, sched, want):
     assert combine(disk, sched) == want
 
 
-def test_run_key_survives_new_config_fields_with_defaults(tmp_path, monkeypatch):
+def test_run_key_survives_new_config_fields_with_defaults(tmp_path):
     import dataclasses
 
-    from esbatch import config as config_mod
+    from esbatch.config import Config, TrainConfig
 
     sw = load_sweep(str(write(tmp_path, base(tmp_path))))
     cfg = sw.runs[0].config
     key = run_key(cfg)
     # a later version adds run.new_knob with a default: existing runs keep their ids
-    fields = [(f.name, f.type, f) for f in dataclasses.fields(config_mod.RunConfig)]
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(type(cfg.run))]
     Extended = dataclasses.make_dataclass("RunConfig", [*fields, ("new_knob", int, dataclasses.field(default=3))])
-    monkeypatch.setattr(config_mod, "RunConfig", Extended)
-    ext = dataclasses.replace(cfg, run=Extended(**dataclasses.asdict(cfg.run)))
-    monkeypatch.setattr(
-        "esbatch.launch.sweep.TrainConfig", lambda: dataclasses.replace(config_mod.TrainConfig(), run=Extended())
+    later = [
+        (f.name, f.type, dataclasses.field(default_factory=Extended) if f.name == "run" else f)
+        for f in dataclasses.fields(Config)
+    ]
+    LaterConfig = dataclasses.make_dataclass(
+        "Config", later, bases=(TrainConfig,), namespace={"algorithm_sections": Config.algorithm_sections}
     )
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)}
+    ext = LaterConfig(**{**values, "run": Extended(**dataclasses.asdict(cfg.run))})
     assert run_key(ext) == key
     ext.run.new_knob = 4
     assert run_key(ext) != key

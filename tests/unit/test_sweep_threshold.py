@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save_file
 from toy import toy_config
 
 from esbatch.analyze.threshold import S_TAU, ensure_thresholded, tau_dir, thresholded_intact
-from esbatch.schema import ConfigError
 from esbatch.launch.evals import RUN_PREFIX, THRESHOLD_PREFIX, is_eval_key
 from esbatch.launch.submit import evals_to_submit, run_states, write_plan
 from esbatch.launch.sweep import load_sweep
+from esbatch.schema import ConfigError
 
 SUITE = {
     "name": "suite",

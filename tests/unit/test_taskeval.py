@@ -53,14 +53,14 @@ def test_task_evals_repeat_exactly_and_leave_the_rngs_alone(tiny_backend_factory
 
 
 def test_no_tasks_is_falsy_and_defaults_do_not_touch_run_keys(tiny_model_dir):
-    from esbatch.config.run import RESUME_OVERRIDABLE, TrainConfig
+    from esbatch.config.run import RESUME_OVERRIDABLE, Config
     from esbatch.launch.sweep import run_key
 
     cfg = config_from_dict({"es": {"updates": 2}})
     assert not TaskEvals(cfg) and cfg.eval.tasks == [] and cfg.checkpoint.snapshots == []
     assert run_key(cfg) == run_key(config_from_dict({"es": {"updates": 2}, "eval": {"samples": 4}}))
     assert {"eval.tasks", "checkpoint.snapshots"} <= RESUME_OVERRIDABLE
-    assert TrainConfig().to_dict()["eval"]["tasks"] == []
+    assert Config().to_dict()["eval"]["tasks"] == []
 
 
 def test_rng_untouched_restores_after_an_exception():

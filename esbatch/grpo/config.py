@@ -1,0 +1,68 @@
+"""The ``grpo`` section of a run config: GRPO's settings with their help text (names and defaults as TRL's
+GRPOConfig where the two share a setting)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from esbatch.schema import setting
+
+
+@dataclass
+class GRPOConfig:
+    group_size: int = setting(
+        8, "G: responses per prompt (TRL num_generations=8; the paper pairs G=8 with ES N=32).", ge=2
+    )
+    batch_size: int = setting(8, "B: prompts per optimizer step, across all ranks.", ge=1)
+    learning_rate: float = setting(1e-6, "AdamW learning rate (TRL default 1e-6).", gt=0.0)
+    weight_decay: float = setting(0.0, "AdamW weight decay.", ge=0.0)
+    epsilon: float = setting(0.2, "Lower (and default upper) clip of the PPO ratio (TRL/PPO 0.2).", gt=0.0)
+    epsilon_high: float | None = setting(
+        None, "Separate upper clip (DAPO clip-higher, e.g. 0.28); None = epsilon.", gt=0.0
+    )
+    beta: float = setting(
+        0.0, "KL penalty weight (k3 estimator); 0 = no reference model is loaded (TRL default).", ge=0.0
+    )
+    scale_rewards: str = setting(
+        "group",
+        "Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO).",
+        choices=("group", "batch", "none"),
+    )
+    loss_aggregation: str = setting(
+        "token_mean",
+        "token_mean (DAPO/verl), seq_mean_token_mean (original GRPO), seq_mean_token_sum (Dr. GRPO).",
+        choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
+    )
+    micro_batch_size: int | None = setting(
+        None,
+        "Sequences (responses) per forward/backward pass on each rank; a step accumulates the gradients of "
+        "ceil(its sequences / this) micro-batches before its one optimizer step, with the loss normalised over "
+        "the whole batch, so the gradient equals the unbatched one. Old and reference log-probs are computed "
+        "in micro-batches too. A memory setting, not a hyperparameter. None = the whole batch on this rank in "
+        "one pass. TRL: per_device_train_batch_size (counted in completions) with gradient_accumulation_steps.",
+        ge=1,
+    )
+    iterations: int = setting(
+        1,
+        "mu: optimizer steps per generated batch (TRL num_iterations; GRPO paper's mu). Old log-probs are "
+        "computed once, before the first of them, so from the second on the ratio differs from 1 and the clip "
+        "acts. 1 = on-policy, old = current log-probs detached (no extra forward).",
+        ge=1,
+    )
+    max_grad_norm: float = setting(1.0, "Gradient clipping (DeepSpeed gradient_clipping).", gt=0.0)
+    zero_stage: int = setting(
+        2, "DeepSpeed ZeRO stage 0-2 (3 would shard the weights the generator reads on every rank).", ge=0, le=2
+    )
+    updates: int | None = setting(
+        None,
+        "Training budget in optimizer steps (set this or `epochs`), as TRL's max_steps counts them (global_step): "
+        "with iterations = mu, a batch is generated every mu steps and a step is one logged update (log.jsonl "
+        "line, MLflow step, checkpoint.every and eval.every count them too).",
+        ge=1,
+    )
+    epochs: float | None = setting(
+        None,
+        "Training budget in epochs over the training split: each prompt is generated for once per epoch, so an "
+        "epoch is ceil(train / batch_size) generated batches = that many x iterations optimizer steps (TRL).",
+        gt=0.0,
+    )
