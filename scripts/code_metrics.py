@@ -5,7 +5,7 @@ function imports    import statements not at module level (inside a def; `if TYP
 longest function    the longest def in esbatch/ (lines, decorators excluded)
 largest module      the longest .py file in esbatch/
 es/ lines           every line of esbatch/es/*.py
-docs                bytes in docs/ (and README.md)
+docs                bytes of docs/**/*.md, of the figures next to them, and of README.md
 
 Usage: python scripts/code_metrics.py [--imports-by-file]
 """
@@ -56,13 +56,17 @@ def main() -> None:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 longest = max(longest, (node.end_lineno - node.lineno + 1, f"{rel}:{node.name}"))
     es_lines = sum(p.read_text().count("\n") for p in (ROOT / "esbatch" / "es").glob("*.py"))
-    docs = sum(p.stat().st_size for p in (ROOT / "docs").rglob("*") if p.is_file())
+    files_in_docs = [p for p in (ROOT / "docs").rglob("*") if p.is_file()]
+    text = sum(p.stat().st_size for p in files_in_docs if p.suffix == ".md")
+    images = sum(p.stat().st_size for p in files_in_docs if p.suffix != ".md")
+    readme = (ROOT / "README.md").stat().st_size
     print(f"cfg: Any annotations     {cfg_any}")
     print(f"function-level imports   {imports}")
     print(f"longest function         {longest[0]} lines ({longest[1]})")
     print(f"largest module           {largest[0]} lines ({largest[1]})")
     print(f"es/ lines                {es_lines}")
-    print(f"docs/                    {docs / 1000:.1f} KB; README.md {(ROOT / 'README.md').stat().st_size / 1000:.1f} KB")
+    print(f"docs/*.md                {text / 1000:.1f} KB (+ {images / 1000:.0f} KB of figures)")
+    print(f"README.md                {readme / 1000:.1f} KB")
     if "--imports-by-file" in sys.argv:
         for rel, n in sorted(per_file.items(), key=lambda kv: -kv[1]):
             if n:
