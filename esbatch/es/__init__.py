@@ -1,6 +1,6 @@
-"""Full-parameter Evolution Strategies (paper App. G.1): its config section (config.py), the population and
-reward shaping (core.py) and the update step with its replay (trainer.py). The weights move inside the backend
-(esbatch/perturb/)."""
+"""Full-parameter Evolution Strategies (paper App. G.1), read in this order: its config section (config.py), the
+math of an update (core.py), the update step (trainer.py) and its replay (replay.py). The weights move inside
+the backend (esbatch/perturb/)."""
 
 from __future__ import annotations
 

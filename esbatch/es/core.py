@@ -1,7 +1,14 @@
-"""The ES math: population layout and reward normalization (paper App. G.1).
+"""The ES math of paper App. G.1, in the order an update runs it (trainer.py:es_step strings it together):
 
-The center update itself, theta += alpha/N sum_i w_i eps_i, is applied by the backend holding the weights:
-esbatch/perturb/update.py:es_update.
+1. population and seeds: N members theta + sign_i * sigma * eps(s_i), drawn from (run seed, t)  draw_population
+2. reward normalization:  R_i (mean reward over the B prompts) -> z_i                          normalize
+3. the estimator:         each direction's weight w_j = sum_{i: s_i = j} sign_i * z_i          direction_weights
+4. the update:            theta <- theta + alpha/N * sum_j w_j * eps(s_j), in fp32, applied by the backend
+                          holding the weights (esbatch/perturb/update.py:es_update)
+5. its replay:            theta_T from theta_0 and the logged (s_j, w_j) of every update         replay.py
+
+eps(s) is a fixed function of the seed and the tensor's name (esbatch/perturb/noise.py), so a member and an
+update are described by integers and floats alone: that is what log.jsonl keeps.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ class Member:
 def draw_population(run_seed: int, t: int, n: int, estimator: str, generation_seeds: str) -> list[Member]:
     """The N members of update ``t``; a pure function of (run seed, t) so a resumed run draws the same.
 
-    one_point: N independent 32-bit direction seeds, each evaluated once at +sigma.
-    antithetic: N/2 seeds, each evaluated at +sigma then -sigma.
+    one_point:  s_1..s_N independent 32-bit direction seeds, member i = theta + sigma * eps(s_i).
+    antithetic: s_1..s_{N/2}, each evaluated at theta + sigma * eps(s_j) then theta - sigma * eps(s_j).
+    Sampling seeds (es.generation_seeds): one per member, shared by an antithetic pair, or one per update.
     """
     n_dirs = n // 2 if estimator == "antithetic" else n
     seeds = np.random.default_rng([run_seed, t, 0xE5]).integers(0, 2**32, size=n_dirs, dtype=np.uint64)
@@ -64,9 +72,10 @@ def normalize(rewards: Sequence[float], method: str, eps_num: float = 1e-8) -> n
 
 
 def direction_weights(members: Sequence[Member], z: Sequence[float]) -> tuple[list[int], list[float]]:
-    """Collapse member scores onto distinct directions: w(seed) = sum over its members of sign * z.
+    """The estimator: collapse member scores onto distinct directions, w_j = sum_{i: s_i = j} sign_i * z_i.
 
-    For antithetic pairs this is z(+) - z(-), the difference of the pair.
+    one_point: w_j = z_j, so the update is alpha/N sum_i z_i eps_i (App. G.1). antithetic: w_j = z_j(+) - z_j(-),
+    the difference of the pair.
     """
     w: dict[int, float] = {}
     for m, zi in zip(members, z):

@@ -26,6 +26,7 @@ from typing import Any
 from esbatch.backends import BACKENDS, ESBackend, PerturbedMember, SamplingParams
 from esbatch.es.config import ESConfig
 from esbatch.es.core import Member, direction_weights, draw_population, normalize
+from esbatch.es.replay import replay
 from esbatch.metrics import diversity_metrics
 from esbatch.perturb.update import UpdateSpec
 from esbatch.tasks import Verdict
@@ -182,26 +183,6 @@ def _flops(backend: ESBackend, prompts: list[str], gen_tokens: int, n: int) -> d
         return {}
     prompt_len, gen_len = sum(counts) / len(counts), gen_tokens / (n * len(prompts))
     return {"flops/update": es_flops(params, n, len(prompts), prompt_len, gen_len)["total"]}
-
-
-def replay(backend: ESBackend, records: list[dict[str, Any]]) -> None:
-    """Re-apply logged updates to the center: same seeds, same weights, same arithmetic -> same bits.
-
-    In-place backends (es.restore: inplace) first redo the update's perturb/restore cycles, member by member in
-    the order es_step evaluated them (one process: the logged order), since their round-off is part of the center.
-    """
-    cycles = backend.restore_mode == "inplace"
-    for r in records:
-        if cycles:
-            if "sigma" not in r:
-                raise ValueError(
-                    f"log.jsonl: update {r.get('t')} records no sigma, which replaying es.restore: inplace needs "
-                    "(each member's scale is sign * sigma); this log was not written by an inplace run"
-                )
-            for seed, sign in zip(r["seeds"], r["signs"]):
-                backend.perturb(seed, sign * r["sigma"])
-                backend.restore()
-        backend.update(UpdateSpec.from_record(r))
 
 
 def inplace_ranks_error(world: int) -> str:

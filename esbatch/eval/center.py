@@ -2,7 +2,7 @@
 
 ES: the center is theta_0 (the run's base model, plus model.init_weights) and the updates in log.jsonl
 (seeds and weights), so it is rebuilt by replaying the first T logged updates with the trainer's own code
-(esbatch/es/trainer.py:replay on the HF backend, on CPU): bit for bit the center the run held after T.
+(esbatch/es/replay.py on the HF backend, on CPU): bit for bit the center the run held after T.
 GRPO's updates cannot be replayed (gradients of sampled responses): its centers come from the snapshots
 the run kept (``checkpoint.snapshots``) or its final center, which are copied.
 
@@ -14,15 +14,13 @@ temporary file that is deleted once read.
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-from esbatch.train.config import TrainConfig
+from esbatch.es.replay import rebuild_center
 from esbatch.train.rundir import RunDir, RunFolderError
 
 
@@ -39,7 +37,7 @@ def center_at(run: str | Path, t: int, out: str | Path | None = None) -> Path:
     cfg = load_run_config(rd.path)  # the run's own es.noise (legacy-cpu when it predates the key)
     target = Path(out) if out else rd.snapshot(t)
     if cfg.algorithm == "es":
-        rd.save_center(rebuild_es_center(cfg, rd, t), t, target)
+        rd.save_center(rebuild_center(cfg, rd, t), t, target)
         return target
     if cfg.algorithm == "pipeline":
         stages = ", ".join(sorted(p.name for p in rd.path.glob("stage*-*"))) or "none yet"
@@ -72,28 +70,6 @@ def stored_center(rd: RunDir, t: int, algorithm: str) -> Path:
         f"{'update ' + str(final) if final is not None else 'no update yet'}. Train with "
         f"checkpoint.snapshots: [{t}] to keep it (settable on resume for updates still to come)."
     )
-
-
-def rebuild_es_center(cfg: TrainConfig, rd: RunDir, t: int) -> dict[str, Any]:
-    """theta_0 of the run plus its first ``t`` logged updates, replayed with the trainer's own arithmetic."""
-    from esbatch.backends import BACKENDS
-    from esbatch.es.trainer import replay
-
-    records = rd.updates()
-    if t > len(records):
-        last = f"the last is update {len(records) - 1}" if records else "no update yet"
-        raise RunFolderError(
-            f"--at {t}: {rd.log} records {len(records)} update(s) ({last}), so the newest center it can rebuild "
-            f"is --at {len(records)}"
-        )
-    c = copy.deepcopy(cfg)
-    c.model.device, c.tracking.drift = "cpu", False  # the update arithmetic is the same on CPU, bit for bit
-    backend = BACKENDS.get("hf").for_es(c)
-    try:
-        replay(backend, records[:t])
-        return backend.center_state_dict()
-    finally:
-        backend.close()
 
 
 def newest_t(rd: RunDir, algorithm: str) -> int:

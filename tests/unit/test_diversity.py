@@ -12,7 +12,8 @@ import torch
 from esbatch.backends.base import ESBackend, Generation, UpdateStats
 from esbatch.config import ConfigError, config_from_dict
 from esbatch.es.core import draw_population
-from esbatch.es.trainer import diversity_seed, es_step, replay
+from esbatch.es.replay import replay
+from esbatch.es.trainer import diversity_seed, es_step
 from esbatch.metrics import bernoulli_entropy, diversity_metrics, js_diversity, weight_covariance
 from esbatch.train.problems import load_problems
 

@@ -19,7 +19,8 @@ from esbatch.config import config_from_dict
 from esbatch.es import ES
 from esbatch.es.config import ESConfig
 from esbatch.es.core import draw_population
-from esbatch.es.trainer import ESTrainer, diversity_seed, es_step, inplace_ranks_error, replay
+from esbatch.es.replay import replay
+from esbatch.es.trainer import ESTrainer, diversity_seed, es_step, inplace_ranks_error
 from esbatch.metrics import diversity_metrics
 from esbatch.perturb.update import UpdateSpec
 from esbatch.train.problems import load_problems

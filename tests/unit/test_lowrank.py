@@ -16,7 +16,8 @@ from esbatch.backends.hf import HFGenerator
 from esbatch.backends.hf_lowrank import HFLowRankBackend
 from esbatch.config import ConfigError, config_from_dict
 from esbatch.es.config import LOWRANK_VECTORS, PERTURBATIONS
-from esbatch.es.trainer import es_step, replay
+from esbatch.es.replay import replay
+from esbatch.es.trainer import es_step
 from esbatch.perturb import lowrank
 from esbatch.perturb.lowrank import lowrank_update
 from esbatch.perturb.noise import direction

@@ -388,7 +388,8 @@ def test_a_run_folder_from_before_es_noise_resumes_with_the_legacy_generator(tmp
     from toy import toy_config
 
     from esbatch.config import config_from_dict, load_run_config
-    from esbatch.eval.center import center_at, rebuild_es_center
+    from esbatch.es.replay import rebuild_center
+    from esbatch.eval.center import center_at
     from esbatch.train import train
     from esbatch.train.rundir import RunDir
 
@@ -414,7 +415,7 @@ def test_a_run_folder_from_before_es_noise_resumes_with_the_legacy_generator(tmp
     assert all(torch.equal(a_state[n], rebuilt[n]) for n in a_state)
     # the check can fail: the same log replayed with the new default generator lands elsewhere
     new = config_from_dict({**d, "es": {**d["es"], "updates": 3, "noise": "philox-gauss"}})
-    other = rebuild_es_center(new, rd, 3)
+    other = rebuild_center(new, rd, 3)
     assert any(not torch.equal(a_state[n], other[n]) for n in a_state)
 
 

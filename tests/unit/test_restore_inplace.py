@@ -214,8 +214,7 @@ def test_inplace_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, tiny_
 
     from safetensors.torch import load_file
 
-    from esbatch.es.trainer import replay
-    from esbatch.eval.center import rebuild_es_center
+    from esbatch.es.replay import rebuild_center, replay
     from esbatch.train import train
     from esbatch.train.rundir import RunDir
 
@@ -238,7 +237,7 @@ def test_inplace_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, tiny_
     assert RunDir(tmp_path / "a").updates()[3]["rewards"] == rd.updates()[3]["rewards"]
 
     # `esbatch center --at 4` replays the cycles from theta_0 to the same bits
-    rebuilt = rebuild_es_center(straight, RunDir(tmp_path / "a"), 4)
+    rebuilt = rebuild_center(straight, RunDir(tmp_path / "a"), 4)
     assert all(torch.equal(a_state[n], rebuilt[n]) for n in a_state)
 
     # the cycles matter: replaying updates 2 and 3 without them lands elsewhere

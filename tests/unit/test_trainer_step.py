@@ -6,7 +6,8 @@ from noise_reference import eps_tensor
 
 from esbatch.config import config_from_dict
 from esbatch.es.core import normalize
-from esbatch.es.trainer import es_step, replay
+from esbatch.es.replay import replay
+from esbatch.es.trainer import es_step
 from esbatch.train.problems import load_problems
 
 

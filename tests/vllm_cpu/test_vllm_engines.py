@@ -37,7 +37,7 @@ def test_lowrank_training_on_two_engines_equals_one_and_replays_in_the_hf_backen
     in one batch, give the same rewards and center; replaying the log in the HF backend (a resume after a kill)
     rebuilds that center bit for bit."""
     from esbatch.backends.hf_lowrank import HFLowRankBackend
-    from esbatch.es.trainer import replay
+    from esbatch.es.replay import replay
     from esbatch.models import load_model_and_tokenizer
 
     lowrank = {"perturbation": "lowrank", "rank": 2}
