@@ -47,6 +47,7 @@ def measure(args: argparse.Namespace, backend_name: str) -> dict:
     import torch
 
     from esbatch.backends import BACKENDS, SamplingParams
+    from esbatch.es.config import backend_setup
     from esbatch.es.core import draw_population
     from esbatch.es.trainer import es_step
     from esbatch.train.problems import load_problems
@@ -55,7 +56,7 @@ def measure(args: argparse.Namespace, backend_name: str) -> dict:
     torch.set_num_threads(args.threads)
     cfg = config(args, backend_name)
     t0 = time.perf_counter()
-    backend = BACKENDS.get(backend_name).for_es(cfg)
+    backend = BACKENDS.get(backend_name).for_es(backend_setup(cfg))
     load_s = time.perf_counter() - t0
     probs = load_problems(cfg, backend)
     _, idx = batch_indices(cfg.run.seed, 0, len(probs.train), cfg.es.batch_size)

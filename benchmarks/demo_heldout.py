@@ -22,6 +22,7 @@ def main() -> None:
 
     from esbatch.backends import BACKENDS
     from esbatch.config import load_config
+    from esbatch.es.config import backend_setup
     from esbatch.tasks import TASKS
     from esbatch.train.problems import Problems, evaluate_heldout
     from esbatch.train.rundir import RunDir
@@ -36,7 +37,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     runs = [RunDir(d) for d in args.run_dirs if (Path(d) / "center.safetensors").exists()]
     cfg = load_config(str(runs[0].config), ["tracking.drift=false"])
-    backend = BACKENDS.get(cfg.backend.name).for_es(cfg)
+    backend = BACKENDS.get(cfg.backend.name).for_es(backend_setup(cfg))
     task = TASKS.get(cfg.task.name)(cfg.task.data_path, **cfg.task.params)
     train = task.splits(cfg.task.train_size, cfg.task.heldout_size, cfg.task.few_shot, cfg.run.seed)
     seen = set()

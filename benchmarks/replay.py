@@ -33,6 +33,7 @@ def build(args: argparse.Namespace, model_dir: str | None):
 
     from esbatch.backends.hf import HFBackend
     from esbatch.config import load_config
+    from esbatch.es.config import backend_setup
 
     torch.set_num_threads(args.threads)
     overrides = [
@@ -49,7 +50,7 @@ def build(args: argparse.Namespace, model_dir: str | None):
         overrides += [f"model.name={model_dir}", "task.few_shot=0"]
     cfg = load_config("quickstart", overrides)
     t0 = time.perf_counter()
-    backend = HFBackend.for_es(cfg)  # the model as a run loads it (alias, GGUF cache, dtype, fp32 master)
+    backend = HFBackend.for_es(backend_setup(cfg))  # as a run loads it (alias, GGUF cache, dtype, fp32 master)
     return cfg, backend, time.perf_counter() - t0
 
 
@@ -86,7 +87,7 @@ def main() -> None:
 
     from esbatch.backends import PerturbedMember, SamplingParams
     from esbatch.es.core import draw_population
-    from esbatch.es.trainer import replay
+    from esbatch.es.replay import replay
     from esbatch.train.problems import load_problems
     from esbatch.train.schedule import batch_indices
 

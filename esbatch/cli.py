@@ -26,7 +26,7 @@ from esbatch.config.launcher import load_profile
 from esbatch.config.loader import KINDS, available, find, find_all, noun, read_yaml
 from esbatch.config.reference import schema_text
 from esbatch.diagnose.protocol import OBJECTIVES, SEED_MODES, KappaProtocol, planned_evaluations, run_kappa
-from esbatch.es.config import ESConfig
+from esbatch.es.config import ESConfig, backend_setup
 from esbatch.grpo.config import GRPOConfig
 from esbatch.launch.base import LAUNCHERS
 from esbatch.launch.state import SweepDir
@@ -557,7 +557,7 @@ def cmd_diagnose_kappa(args: argparse.Namespace) -> int:
         f"esbatch {esbatch.__version__}: kappa diagnostic of {cfg.model.name} ({cfg.model.dtype}) -> {out}",
         file=sys.stderr,
     )
-    backend = BACKENDS.get(cfg.backend.name).for_es(cfg)
+    backend = BACKENDS.get(cfg.backend.name).for_es(backend_setup(cfg))
     bar = tqdm(total=planned_evaluations(cfg, proto), desc="kappa", unit="eval", disable=args.no_progress)
     try:
         cells = run_kappa(cfg, proto, backend, tick=bar.update)

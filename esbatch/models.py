@@ -17,8 +17,34 @@ from pathlib import Path
 from typing import Any
 
 from esbatch.registry import Registry, did_you_mean
+from esbatch.schema import setting
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    """The `model:` section of a run config (and of an eval config's models)."""
+
+    name: str = setting(
+        "smollm2-135m-instruct",
+        "Registered model alias (see `esbatch ls`), a local HF model directory, a hub id, a .gguf file, or "
+        "hf://org/repo/folder (a model saved in a folder of a hub repo).",
+    )
+    gguf_file: str | None = setting(None, "GGUF file name inside `name` (a directory or hub id).")
+    revision: str | None = setting(None, "Hub revision (branch, tag or commit) when `name` is a hub id.")
+    device: str = setting("auto", "Where the live weights sit: auto (cuda if available), cpu, cuda, cuda:N.")
+    dtype: str = setting(
+        "float32",
+        "Compute dtype of the live weights. With bfloat16/float16 an fp32 master copy keeps small updates "
+        "(es.restore: exact; inplace moves the weights in this dtype).",
+        choices=DTYPES,
+    )
+    init_weights: str | None = setting(
+        None,
+        "Start from these weights (center.safetensors of an earlier run or pipeline stage: fp32, or the compute "
+        "dtype for es.restore: inplace).",
+    )
 
 
 @dataclass

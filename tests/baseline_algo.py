@@ -16,7 +16,8 @@ class BaselineConfig:
 class BaselineTrainer(Trainer):
     def __init__(self, cfg): self.cfg, self.gen, self.sec = cfg, None, cfg.section(BaselineConfig)
     def setup(self):  # returns the budget in updates
-        self.gen = BACKENDS.get(self.cfg.backend.name).for_es(self.cfg)
+        backend, batch = BACKENDS.get(self.cfg.backend.name), self.cfg.generation.batch_size
+        self.gen = backend.for_inference(self.cfg.model, None, batch)  # a generator; ES: for_es(backend_setup(cfg))
         self.probs = load_problems(self.cfg, self.gen)
         return self.cfg.total_updates(self.n_train)
     n_train = property(lambda self: len(self.probs.train))

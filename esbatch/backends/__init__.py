@@ -1,6 +1,6 @@
 """Generation backends, chosen by ``backend.name`` and imported only when chosen.
 
-Each entry is a ``BackendFactory``: ``for_es(cfg)`` (ES training: generation plus weight moves),
+Each entry is a ``BackendFactory``: ``for_es(setup)`` (ES training: generation plus weight moves),
 ``for_inference`` (``esbatch eval``) and ``for_policy`` (generating with the policy DeepSpeed trains). A built-in
 entry is a ``Backend``: the ESBackend class serving each ``es.perturbation`` (full, lowrank), as "module:Class"
 names imported on first use, so no backend class chooses among its subclasses; a user's "package.module:Class"
@@ -20,14 +20,16 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from esbatch.backends.base import ESBackend, Generator
+    from esbatch.backends.config import ESSetup
+    from esbatch.models import ModelConfig
 
 
 class BackendFactory(Protocol):
     """What a registered backend provides: an ESBackend class (its classmethods) or a ``Backend``."""
 
-    def for_es(self, cfg: Any) -> ESBackend: ...
+    def for_es(self, setup: ESSetup) -> ESBackend: ...
 
-    def for_inference(self, model: Any, center: Path | None, batch_size: int) -> Generator: ...
+    def for_inference(self, model: ModelConfig, center: Path | None, batch_size: int) -> Generator: ...
 
     def for_policy(self, module: Any, tokenizer: Any, batch_size: int) -> Generator: ...
 
@@ -44,10 +46,10 @@ class Backend:
         module, _, attr = self.targets.get(perturbation, self.targets["full"]).partition(":")
         return getattr(importlib.import_module(module), attr)
 
-    def for_es(self, cfg: Any) -> ESBackend:
-        return self.cls(getattr(cfg.es, "perturbation", "full")).for_es(cfg)
+    def for_es(self, setup: ESSetup) -> ESBackend:
+        return self.cls(setup.perturbation).for_es(setup)
 
-    def for_inference(self, model: Any, center: Path | None, batch_size: int) -> Generator:
+    def for_inference(self, model: ModelConfig, center: Path | None, batch_size: int) -> Generator:
         return self.cls().for_inference(model, center, batch_size)
 
     def for_policy(self, module: Any, tokenizer: Any, batch_size: int) -> Generator:

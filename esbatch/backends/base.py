@@ -3,7 +3,7 @@
 ``Generator``: render prompts and generate (ES, GRPO and eval all use it). ``ESBackend`` adds the ES weight
 moves: perturb from a seed, restore the center, apply an update (one ``UpdateSpec``), load, checksum,
 without the trainer knowing how or where the weights live (one HF model, or vLLM engines).
-A registered backend (esbatch/backends/__init__.py:BackendFactory) builds these for each use: ``for_es(cfg)``,
+A registered backend (esbatch/backends/__init__.py:BackendFactory) builds these for each use: ``for_es(setup)``,
 ``for_inference(model_cfg, center, batch_size)`` and ``for_policy(module, tokenizer, batch_size)``; each
 ESBackend's ``for_es`` builds its own class, and the registry picks the class (by es.perturbation).
 """
@@ -19,7 +19,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from esbatch.backends.config import ESSetup
 from esbatch.backends.dispatch import Claim, dispatch
+from esbatch.models import ModelConfig
 from esbatch.perturb.update import UpdateSpec
 
 
@@ -107,11 +109,11 @@ class ESBackend(Generator):
 
     @classmethod
     @abstractmethod
-    def for_es(cls, cfg: Any) -> ESBackend:
-        """Build the backend (load the model) for ES training from a validated run config."""
+    def for_es(cls, setup: ESSetup) -> ESBackend:
+        """Build the backend (load the model) for ES training (esbatch/backends/config.py:ESSetup)."""
 
     @classmethod
-    def for_inference(cls, model: Any, center: Path | None, batch_size: int) -> Generator:
+    def for_inference(cls, model: ModelConfig, center: Path | None, batch_size: int) -> Generator:
         """A generator for evaluation: ``model`` (a ModelConfig) with the weights of ``center`` if given."""
         raise NotImplementedError(f"{cls.__name__} cannot serve evaluations")
 

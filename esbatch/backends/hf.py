@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from esbatch.backends.base import ESBackend, Generation, Generator, SamplingParams, UpdateStats
+from esbatch.backends.config import ESSetup
+from esbatch.models import ModelConfig
 from esbatch.perturb import DEFAULT_NOISE, weights_for
 from esbatch.perturb.update import UpdateSpec
 
@@ -156,12 +158,12 @@ class HFBackend(HFGenerator, ESBackend):
         return weights_for(params, restore, track_drift, noise, self.master_layout)
 
     @classmethod
-    def for_es(cls, cfg: Any) -> HFBackend:
+    def for_es(cls, setup: ESSetup) -> HFBackend:
         from esbatch.models import load_model_and_tokenizer
 
-        m = cfg.model
+        m = setup.model
         model, tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, m.dtype, m.device)
-        backend = cls(model, tok, **cls.es_options(cfg))
+        backend = cls(model, tok, **cls.es_options(setup))
         if m.init_weights:  # an earlier stage's weights; theta_0 (drift) stays the base model
             from safetensors.torch import load_file
 
@@ -169,18 +171,18 @@ class HFBackend(HFGenerator, ESBackend):
         return backend
 
     @classmethod
-    def es_options(cls, cfg: Any) -> dict[str, Any]:
-        """The constructor's keyword arguments from a validated run config."""
+    def es_options(cls, setup: ESSetup) -> dict[str, Any]:
+        """The constructor's keyword arguments."""
         return {
-            "batch_size": cfg.generation.batch_size,
-            "track_drift": cfg.tracking.drift,
-            "restore": cfg.es.restore,
-            "noise": cfg.es.noise,
-            "master": cfg.es.master,
+            "batch_size": setup.batch_size,
+            "track_drift": setup.track_drift,
+            "restore": setup.restore,
+            "noise": setup.noise,
+            "master": setup.master,
         }
 
     @classmethod
-    def for_inference(cls, model: Any, center: Path | None, batch_size: int) -> HFGenerator:
+    def for_inference(cls, model: ModelConfig, center: Path | None, batch_size: int) -> HFGenerator:
         from esbatch.models import load_model_and_tokenizer, load_weights
 
         lm, tok = load_model_and_tokenizer(model.name, model.gguf_file, model.revision, model.dtype, model.device)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from esbatch.backends.base import Generation, PerturbedMember, PopulationOutput, SamplingParams
+from esbatch.backends.config import ESSetup
 from esbatch.backends.dispatch import Claim
 from esbatch.backends.hf import HFBackend
 from esbatch.perturb import DEFAULT_NOISE
@@ -269,8 +270,8 @@ class HFLowRankBackend(HFBackend):
         return LowRankWeights(params, track_drift, noise, self.rank, self.vectors)
 
     @classmethod
-    def es_options(cls, cfg: Any) -> dict[str, Any]:
-        return {**super().es_options(cfg), "rank": cfg.es.rank, "vectors": cfg.es.lowrank_vectors}
+    def es_options(cls, setup: ESSetup) -> dict[str, Any]:
+        return {**super().es_options(setup), "rank": setup.rank, "vectors": setup.lowrank_vectors}
 
     def evaluate_population(
         self,

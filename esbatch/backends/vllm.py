@@ -37,6 +37,7 @@ from esbatch.backends.base import (
     SamplingParams,
     UpdateStats,
 )
+from esbatch.backends.config import ESSetup
 from esbatch.backends.vllm_rpc import WorkerCall, check_worker
 from esbatch.perturb.noise import DEFAULT_NOISE
 from esbatch.perturb.update import UpdateSpec
@@ -239,12 +240,12 @@ class VLLMBackend(ESBackend):
         return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, int(longest or 0))}
 
     @classmethod
-    def for_es(cls, cfg: Any) -> VLLMBackend:
+    def for_es(cls, setup: ESSetup) -> VLLMBackend:
         from esbatch.models import model_path
 
-        m = cfg.model
+        m = setup.model
         path, rev = model_path(m.name, m.gguf_file, m.revision)
-        backend = cls(path, revision=rev, **cls.es_options(cfg))
+        backend = cls(path, revision=rev, **cls.es_options(setup))
         if m.init_weights:
             from safetensors.torch import load_file
 
@@ -252,24 +253,24 @@ class VLLMBackend(ESBackend):
         return backend
 
     @classmethod
-    def es_options(cls, cfg: Any) -> dict[str, Any]:
-        """The constructor's keyword arguments (beyond the model) from a validated run config."""
-        b = cfg.backend
+    def es_options(cls, setup: ESSetup) -> dict[str, Any]:
+        """The constructor's keyword arguments (beyond the model)."""
+        b = setup.backend
         return {
-            "dtype": cfg.model.dtype,
+            "dtype": setup.model.dtype,
             "engines": b.engines,
             "gpu_memory_utilization": b.gpu_memory_utilization,
             "kv_cache_gb": b.kv_cache_gb,
             "max_model_len": b.max_model_len,
             "prefix_caching": b.prefix_caching,
             "cuda_graphs": b.cuda_graphs,
-            "seed": cfg.run.seed,
-            "track_drift": cfg.tracking.drift,
-            "noise": cfg.es.noise,
-            "master": cfg.es.master,
-            "rpc_timeout_s": cfg.run.hang_timeout_s,
+            "seed": setup.seed,
+            "track_drift": setup.track_drift,
+            "noise": setup.noise,
+            "master": setup.master,
+            "rpc_timeout_s": setup.hang_timeout_s,
             "worker_extension": b.worker_extension,
-            "dispatch": cfg.es.dispatch,
+            "dispatch": setup.dispatch,
         }
 
     # ---------------------------------------------------------------- rpc plumbing

@@ -16,6 +16,7 @@ from typing import Any
 from esbatch import deadlines as watchdog  # the hang hooks the training watchdog runs
 from esbatch.backends import dispatch as dispatching
 from esbatch.backends.base import Generation, PerturbedMember, PopulationOutput, SamplingParams
+from esbatch.backends.config import ESSetup
 from esbatch.backends.vllm import VLLMBackend
 from esbatch.backends.vllm_rpc import WorkerCall
 
@@ -33,8 +34,8 @@ class VLLMLowRankBackend(VLLMBackend):
         super().__init__(model_dir, **kwargs)
 
     @classmethod
-    def es_options(cls, cfg: Any) -> dict[str, Any]:
-        return {**super().es_options(cfg), "rank": cfg.es.rank, "vectors": cfg.es.lowrank_vectors}
+    def es_options(cls, setup: ESSetup) -> dict[str, Any]:
+        return {**super().es_options(setup), "rank": setup.rank, "vectors": setup.lowrank_vectors}
 
     def members_per_call(self, n_prompts: int, n: int, n_members: int) -> int:
         """Whole members per engine batch: as many as the scheduler runs at once (max_num_seqs sequences), and at

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from esbatch.backends.config import ESSetup
 from esbatch.schema import setting
 from esbatch.train.config import TrainConfig
 
@@ -195,3 +196,23 @@ def diversity_errors(cfg: TrainConfig, errors: list[str]) -> None:
             "but generation.temperature is 0 (greedy: every response is the same); use samples: 1 or a "
             "temperature > 0"
         )
+
+
+def backend_setup(cfg: TrainConfig) -> ESSetup:
+    """What the ES backend is built from (esbatch/backends/config.py), read from a validated run config."""
+    es = cfg.section(ESConfig)
+    return ESSetup(
+        model=cfg.model,
+        backend=cfg.backend,
+        batch_size=cfg.generation.batch_size,
+        track_drift=cfg.tracking.drift,
+        seed=cfg.run.seed,
+        hang_timeout_s=cfg.run.hang_timeout_s,
+        restore=es.restore,
+        noise=es.noise,
+        master=es.master,
+        perturbation=es.perturbation,
+        rank=es.rank,
+        lowrank_vectors=es.lowrank_vectors,
+        dispatch=es.dispatch,
+    )

@@ -15,6 +15,7 @@ import copy
 from typing import Any
 
 from esbatch.backends import BACKENDS, ESBackend
+from esbatch.es.config import backend_setup
 from esbatch.perturb.update import UpdateSpec
 from esbatch.train.config import TrainConfig
 from esbatch.train.rundir import RunDir, RunFolderError
@@ -51,7 +52,7 @@ def rebuild_center(cfg: TrainConfig, rd: RunDir, t: int) -> dict[str, Any]:
         )
     c = copy.deepcopy(cfg)
     c.model.device, c.tracking.drift = "cpu", False  # the update arithmetic is the same on CPU, bit for bit
-    backend = BACKENDS.get("hf").for_es(c)
+    backend = BACKENDS.get("hf").for_es(backend_setup(c))
     try:
         replay(backend, records[:t])
         return backend.center_state_dict()

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from esbatch.backends import BACKENDS, ESBackend, PerturbedMember, SamplingParams
-from esbatch.es.config import ESConfig
+from esbatch.es.config import ESConfig, backend_setup
 from esbatch.es.core import Member, direction_weights, draw_population, normalize
 from esbatch.es.replay import replay
 from esbatch.metrics import diversity_metrics
@@ -202,7 +202,7 @@ class ESTrainer(Trainer):
     def setup(self) -> int:
         if self.cfg.section(ESConfig).restore == "inplace" and self.ranks.world > 1:
             raise ValueError(inplace_ranks_error(self.ranks.world))
-        self.backend = BACKENDS.get(self.cfg.backend.name).for_es(self.cfg)
+        self.backend = BACKENDS.get(self.cfg.backend.name).for_es(backend_setup(self.cfg))
         self.probs = load_problems(self.cfg, self.backend)
         return self.cfg.total_updates(len(self.probs.train))
 

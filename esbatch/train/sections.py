@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from esbatch.models import model_problem
+from esbatch.backends.config import BackendConfig
+from esbatch.models import ModelConfig, model_problem
 from esbatch.registry import did_you_mean
 from esbatch.schema import Invalid, Schema, expects, folder_name, setting, stage_spans
 from esbatch.tasks import TASKS
@@ -58,29 +59,6 @@ class RunConfig:
         "evaluation) may take before the run is declared hung and ends with exit code 75 (resumable). Set it "
         "well above your slowest update; loading the model is not timed.",
         gt=0,
-    )
-
-
-@dataclass
-class ModelConfig:
-    name: str = setting(
-        "smollm2-135m-instruct",
-        "Registered model alias (see `esbatch ls`), a local HF model directory, a hub id, a .gguf file, or "
-        "hf://org/repo/folder (a model saved in a folder of a hub repo).",
-    )
-    gguf_file: str | None = setting(None, "GGUF file name inside `name` (a directory or hub id).")
-    revision: str | None = setting(None, "Hub revision (branch, tag or commit) when `name` is a hub id.")
-    device: str = setting("auto", "Where the live weights sit: auto (cuda if available), cpu, cuda, cuda:N.")
-    dtype: str = setting(
-        "float32",
-        "Compute dtype of the live weights. With bfloat16/float16 an fp32 master copy keeps small updates "
-        "(es.restore: exact; inplace moves the weights in this dtype).",
-        choices=("float32", "bfloat16", "float16"),
-    )
-    init_weights: str | None = setting(
-        None,
-        "Start from these weights (center.safetensors of an earlier run or pipeline stage: fp32, or the compute "
-        "dtype for es.restore: inplace).",
     )
 
 
@@ -239,24 +217,6 @@ class CheckpointConfig:
         "eval --checkpoint RUN --at T`). GRPO needs them for intermediate centers; ES can also rebuild any center "
         "from its log (`esbatch center RUN --at T`).",
         check=update_list,
-    )
-
-
-@dataclass
-class BackendConfig:
-    name: str = setting("hf", "Generation backend (see `esbatch ls`): hf, or vllm (imported only when chosen).")
-    engines: int = setting(
-        1, "vllm: engines on this node; the population is sharded over them (one GPU each on GPU nodes).", ge=1
-    )
-    gpu_memory_utilization: float = setting(0.85, "vllm: fraction of each GPU an engine may use.", gt=0, le=1)
-    kv_cache_gb: int = setting(2, "vllm on CPU: KV cache size per engine in whole GiB (VLLM_CPU_KVCACHE_SPACE).", ge=1)
-    max_model_len: int | None = setting(None, "vllm: context length to reserve KV cache for (default: the model's).")
-    prefix_caching: bool = setting(True, "vllm: reuse shared prompt prefixes; reset after every weight change.")
-    cuda_graphs: bool = setting(True, "vllm on GPU: capture CUDA graphs (false = eager mode). Ignored on CPU.")
-    worker_extension: str = setting(
-        "esbatch.backends.vllm_worker:ESWorkerExtension",
-        "vllm: the class mixed into each engine's worker that moves its weights (package.module:Class, a "
-        "subclass of the default). Change it only to instrument engines, as the engine hang test does.",
     )
 
 

@@ -17,7 +17,7 @@ from esbatch.backends import SamplingParams
 from esbatch.backends.base import ESBackend, Generation, PopulationOutput, UpdateStats
 from esbatch.config import config_from_dict
 from esbatch.es import ES
-from esbatch.es.config import ESConfig
+from esbatch.es.config import ESConfig, backend_setup
 from esbatch.es.core import draw_population
 from esbatch.es.replay import replay
 from esbatch.es.trainer import ESTrainer, diversity_seed, es_step, inplace_ranks_error
@@ -525,7 +525,7 @@ def test_setup_builds_the_configured_backend_and_returns_the_budget(monkeypatch)
     )
     tr = ESTrainer(cfg, FakeRunDir(), Ranks())
     assert tr.setup() == 26  # 2 epochs of ceil(39 / 3) = 13 batches
-    assert asked == [cfg.backend.name, cfg]
+    assert asked == [cfg.backend.name, backend_setup(cfg)]
     assert isinstance(tr.backend, Built) and tr.n_train == 39 == len(tr.probs.train)
 
 
@@ -649,3 +649,50 @@ def test_es_check_runs_the_common_checks_too():
     errors = []
     ES.check(cfg, errors)
     assert errors == ["es.updates / es.epochs: set exactly one training budget (e.g. es.updates: 300)"]
+
+
+@pytest.mark.parametrize(
+    ("field", "key", "value"),
+    [
+        ("batch_size", "generation.batch_size", 7),
+        ("track_drift", "tracking.drift", False),
+        ("seed", "run.seed", 12345),
+        ("hang_timeout_s", "run.hang_timeout_s", 12.5),
+        ("restore", "es.restore", "inplace"),
+        ("noise", "es.noise", "philox-rademacher"),
+        ("master", "es.master", "host"),
+        ("perturbation", "es.perturbation", "lowrank"),
+        ("rank", "es.rank", 3),
+        ("lowrank_vectors", "es.lowrank_vectors", "frozen"),
+        ("dispatch", "es.dispatch", "dynamic"),
+    ],
+)
+def test_every_backend_setting_comes_from_its_config_key(field, key, value):
+    """backend_setup reads each ESSetup field from its own key (and the model and backend sections whole)."""
+    import dataclasses
+
+    from esbatch.backends.config import ESSetup
+
+    section, name = key.split(".")
+    cfg = _cfg()
+    default = getattr(backend_setup(cfg), field)
+    assert default != value
+    setattr(getattr(cfg, section), name, value)
+    setup = backend_setup(cfg)
+    assert getattr(setup, field) == value and (setup.model, setup.backend) == (cfg.model, cfg.backend)
+    assert {f.name for f in dataclasses.fields(ESSetup)} == {"model", "backend", *PARAMS_OF_SETUP}
+
+
+PARAMS_OF_SETUP = (
+    "batch_size",
+    "track_drift",
+    "seed",
+    "hang_timeout_s",
+    "restore",
+    "noise",
+    "master",
+    "perturbation",
+    "rank",
+    "lowrank_vectors",
+    "dispatch",
+)

@@ -15,7 +15,7 @@ from esbatch.backends import BACKENDS, PerturbedMember, SamplingParams
 from esbatch.backends.hf import HFGenerator
 from esbatch.backends.hf_lowrank import HFLowRankBackend
 from esbatch.config import ConfigError, config_from_dict
-from esbatch.es.config import LOWRANK_VECTORS, PERTURBATIONS
+from esbatch.es.config import LOWRANK_VECTORS, PERTURBATIONS, backend_setup
 from esbatch.es.replay import replay
 from esbatch.es.trainer import es_step
 from esbatch.perturb import lowrank
@@ -255,20 +255,20 @@ def lowrank_cfg(model_dir, **es):
 @pytest.mark.parametrize("es", [{}, {"estimator": "antithetic", "lowrank_vectors": "frozen"}])
 def test_es_steps_then_replay_give_a_bit_identical_center(tiny_model_dir, es):
     cfg = lowrank_cfg(tiny_model_dir, **es)
-    b = BACKENDS.get("hf").for_es(cfg)  # the registry picks the low-rank class by es.perturbation
+    b = BACKENDS.get("hf").for_es(backend_setup(cfg))  # the registry picks the low-rank class by es.perturbation
     assert isinstance(b, HFLowRankBackend) and (b.rank, b.vectors) == (2, cfg.es.lowrank_vectors)
     probs = load_problems(cfg, b)
     records = [es_step(cfg, b, probs, t) for t in range(2)]
     assert any(len(set(r["rewards"])) > 1 for r in records)  # the center moved
-    fresh = BACKENDS.get("hf").for_es(cfg)
+    fresh = BACKENDS.get("hf").for_es(backend_setup(cfg))
     assert fresh.checksum() != b.checksum()
     replay(fresh, records)  # what a resume after a kill (and `esbatch center`) does
     for name, t in b.master.items():
         assert torch.equal(fresh.master[name], t), name
-    half = BACKENDS.get("hf").for_es(cfg)  # resume from a checkpoint after update 1
+    half = BACKENDS.get("hf").for_es(backend_setup(cfg))  # resume from a checkpoint after update 1
     replay(half, records[:1])
     ckpt = half.center_state_dict()
-    resumed = BACKENDS.get("hf").for_es(cfg)
+    resumed = BACKENDS.get("hf").for_es(backend_setup(cfg))
     resumed.load_center(ckpt)
     replay(resumed, records[1:])
     assert all(torch.equal(resumed.master[n], t) for n, t in b.master.items())
