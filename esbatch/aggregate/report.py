@@ -35,7 +35,7 @@ from esbatch.config.aggregate import (
     CurvesAnalysis,
     FinalAnalysis,
     ScalingAnalysis,
-    _is_num,
+    is_num,
     parse_specs,
 )
 from esbatch.registry import did_you_mean
@@ -150,11 +150,11 @@ def _ordered(values: Iterable[Any]) -> list[Any]:
     for v in values:
         if not any(_same(v, u) for u in out):
             out.append(v)
-    return sorted(out) if out and all(_is_num(v) for v in out) else out
+    return sorted(out) if out and all(is_num(v) for v in out) else out
 
 
 def _same(a: Any, b: Any) -> bool:
-    return a == b and (type(a) is type(b) or (_is_num(a) and _is_num(b)))
+    return a == b and (type(a) is type(b) or (is_num(a) and is_num(b)))
 
 
 def _fmt_param(v: Any) -> str:

@@ -23,7 +23,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 # ============================================================================ field checks
 
 
-def _is_num(v: Any) -> bool:
+def is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -61,14 +61,14 @@ def _name(v: Any) -> str:
 
 @expects("a number with 0 <= weight < 1 (0 = no smoothing)")
 def _weight(v: Any) -> float:
-    if not _is_num(v) or not 0 <= v < 1:
+    if not is_num(v) or not 0 <= v < 1:
         raise Invalid(f"got {v!r}")
     return float(v)
 
 
 @expects("a number >= 0")
 def _nonneg(v: Any) -> float:
-    if not _is_num(v) or not v >= 0:
+    if not is_num(v) or not v >= 0:
         raise Invalid(f"got {v!r}")
     return float(v)
 
@@ -77,14 +77,14 @@ def _nonneg(v: Any) -> float:
 def _opt_update(v: Any) -> int | None:
     if v is None:
         return None
-    if not _is_num(v) or int(v) != v or v < 0:
+    if not is_num(v) or int(v) != v or v < 0:
         raise Invalid(f"got {v!r}")
     return int(v)
 
 
 @expects("an integer >= 2 (points in the rolling window)")
 def _window(v: Any) -> int:
-    if not _is_num(v) or int(v) != v or v < 2:
+    if not is_num(v) or int(v) != v or v < 2:
         raise Invalid(f"got {v!r}")
     return int(v)
 
