@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from esbatch.config.aggregate import KINDS as ANALYSES
+from esbatch.config.eval import EvalConfig
+from esbatch.config.launcher import LauncherProfile
+from esbatch.config.run import Config
+from esbatch.config.sweep import SweepFile
 from esbatch.schema import describe
 
 TITLES = {
@@ -21,11 +26,6 @@ TITLES = {
 
 def schemas() -> dict[str, list[tuple[str, type]]]:
     """kind -> [(heading, schema class)]."""
-    from esbatch.config.aggregate import KINDS as ANALYSES
-    from esbatch.config.eval import EvalConfig
-    from esbatch.config.launcher import LauncherProfile
-    from esbatch.config.run import Config
-    from esbatch.config.sweep import SweepFile
 
     return {
         "config": [("", Config)],

@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from esbatch.es.replay import rebuild_center
 from esbatch.train.rundir import RunDir, RunFolderError
 
 
@@ -34,6 +33,8 @@ def center_at(run: str | Path, t: int, out: str | Path | None = None) -> Path:
         raise FileNotFoundError(f"{rd.path}: not a run folder (no {RunDir.CONFIG})")
     if t < 0:
         raise ValueError(f"--at {t}: give an update count >= 0")
+    from esbatch.es.replay import rebuild_center  # heavy: torch (the HF backend replays on the CPU)
+
     cfg = load_run_config(rd.path)  # the run's own es.noise (legacy-cpu when it predates the key)
     target = Path(out) if out else rd.snapshot(t)
     if cfg.algorithm == "es":

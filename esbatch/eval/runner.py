@@ -9,18 +9,26 @@ Samples are appended chunk by chunk (fsynced), so a killed eval continues where 
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from esbatch.backends import BACKENDS
+from esbatch.config import flatten, load_run_config
 from esbatch.config.eval import EvalConfig, EvalTask
+from esbatch.eval.center import center_at, newest_t, stored_center
 from esbatch.metrics import pass_at_k
 from esbatch.tasks import TASKS
 from esbatch.tasks.base import Example
+from esbatch.tracking import MLflowTracker, default_tracking_uri, run_tags
 from esbatch.train import stop
 from esbatch.train.config import TrainConfig
 from esbatch.train.rundir import RunDir, RunFolderError, read_jsonl
@@ -41,8 +49,6 @@ class WeightsSource:
 
 
 def resolve_weights(cfg: EvalConfig) -> WeightsSource:
-    from esbatch.config import load_run_config
-
     if cfg.mlflow_run:
         return _from_mlflow(cfg)
     if cfg.checkpoint:
@@ -60,7 +66,6 @@ def resolve_weights(cfg: EvalConfig) -> WeightsSource:
 def _final_weights(rd: RunDir, train_cfg: TrainConfig, meta: dict[str, Any]) -> WeightsSource:
     """A run's final weights by its checkpoint.center: center.safetensors; else final_model/ (the compute-dtype
     export) when it holds the last logged update; else (ES) the center rebuilt from the log."""
-    from esbatch.eval.center import newest_t
 
     label = _label(meta.get("algorithm", train_cfg.algorithm))
     uri, run_id = meta.get("tracking_uri"), meta.get("mlflow_run_id")
@@ -79,7 +84,6 @@ def _final_weights(rd: RunDir, train_cfg: TrainConfig, meta: dict[str, Any]) -> 
 
 def _center_after(rd: RunDir, train_cfg: TrainConfig, t: int) -> tuple[Path, str]:
     """The file holding run ``rd``'s center after ``t`` updates (ES: rebuilt from the log when not kept)."""
-    from esbatch.eval.center import center_at, stored_center
 
     try:
         return stored_center(rd, t, train_cfg.algorithm), f"center after update {t} of {rd.path}"
@@ -96,8 +100,6 @@ def _label(algorithm: str) -> str:
 def _from_mlflow(cfg: EvalConfig) -> WeightsSource:
     """A training run id: use its run folder when it is on this machine, else its final_model artifact."""
     from mlflow.tracking import MlflowClient
-
-    from esbatch.config import load_run_config
 
     uri = cfg.tracking.uri or "sqlite:///esbatch-runs/mlflow.db"
     client = MlflowClient(tracking_uri=uri)
@@ -122,8 +124,6 @@ def _from_mlflow(cfg: EvalConfig) -> WeightsSource:
 
 def build_generator(cfg: EvalConfig, src: WeightsSource) -> Any:
     """The configured backend's generator for ``src`` (the base model, plus a run's center if given)."""
-    from esbatch.backends import BACKENDS
-    from esbatch.eval.center import center_at
 
     backend = BACKENDS.get(cfg.backend.name)
     if src.replay is None:
@@ -182,14 +182,14 @@ def run_task(cfg: EvalConfig, et: EvalTask, gen: Any, ed: EvalDir, progress: boo
     """Generate and score every problem of one task not yet in its samples file; returns throughput."""
     from tqdm.auto import tqdm
 
-    from esbatch.backends.base import SamplingParams
-
     label = et.label or et.name
     task = TASKS.get(et.name)(et.data_path, **et.params)
     exs = task.eval_examples(et.limit, cfg.sampling.seed)
     if et.limit:
         exs = exs[: et.limit]
     demos = few_shot_demos(task, et.few_shot, exs, cfg.sampling.seed)
+    from esbatch.backends.base import SamplingParams  # heavy: torch
+
     s = cfg.sampling
     max_new = et.max_new_tokens or s.max_new_tokens
     sampled = SamplingParams(s.temperature, s.top_p, max_new, n=s.n, entropy=True)
@@ -297,7 +297,6 @@ def write_tables(
     the row "Average (N tasks)" and marks a cell averaged over fewer tasks "(n=k)"; table.csv follows the
     "Average" row with an "Average n" row holding each column's task count (and the problems summed).
     Returns the averages and counts."""
-    import csv
 
     avg, n_avg = task_average(results, cols)
     problems = sum(int(r.get("problems", 0)) for r in results.values())
@@ -414,8 +413,6 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, recompute: bool = False)
 
 
 def _yaml(d: dict[str, Any]) -> str:
-    import yaml
-
     return yaml.safe_dump(d, sort_keys=False)
 
 
@@ -429,9 +426,6 @@ def _task_tags(cfg: EvalConfig) -> dict[str, str]:
 def log_to_mlflow(cfg: EvalConfig, ed: EvalDir, src: WeightsSource, summary: dict[str, Any]) -> str:
     """One MLflow run per eval, nested under the training run when one was evaluated."""
     from mlflow.tracking import MlflowClient
-
-    from esbatch.config import flatten
-    from esbatch.tracking import MLflowTracker, default_tracking_uri, run_tags
 
     uri = src.parent_uri or cfg.tracking.uri or default_tracking_uri(cfg.output_dir)
     experiment = cfg.tracking.experiment
@@ -452,7 +446,6 @@ def log_to_mlflow(cfg: EvalConfig, ed: EvalDir, src: WeightsSource, summary: dic
         run_id=prev.get("run_id") if prev.get("uri") == uri else None,
     )
     meta_path.write_text(json.dumps({"uri": uri, "run_id": run_id}))
-    import re
 
     def name(label: str, col: str) -> str:  # MLflow allows no '@': pass@16 -> GSM8K/pass_at_16
         return re.sub(r"[^\w\-. :/]", "_", f"{label}/{col.replace('@', '_at_')}")

@@ -22,14 +22,29 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.utils.cpp_extension import get_default_build_root
+
+from esbatch.backends import BACKENDS
+from esbatch.backends.base import SamplingParams
 from esbatch.grpo.config import GRPOConfig
+from esbatch.grpo.core import group_advantages, grpo_loss, token_entropy, token_logprobs
 from esbatch.metrics import diversity_metrics
+from esbatch.models import (
+    SafetensorsReader,
+    checksum,
+    load_model_and_tokenizer,
+    load_weights,
+    relative_distance,
+    weight_files,
+)
 from esbatch.tasks import Verdict
 from esbatch.train.config import TrainConfig
 from esbatch.train.flops import grpo_flops
 from esbatch.train.lifecycle import Trainer
 from esbatch.train.problems import evaluate_heldout, load_problems, reward_of
-from esbatch.train.ranks import Ranks
+from esbatch.train.ranks import Ranks, joined
 from esbatch.train.rundir import RunDir
 from esbatch.train.schedule import batch_indices, schedule_start
 
@@ -39,14 +54,11 @@ def init_distributed(device: str, timeout_min: float = 30.0) -> Ranks:
     DeepSpeed expects (it looks for mpi4py otherwise)."""
     import deepspeed
 
-    from esbatch.train.ranks import joined
-
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch.distributed as dist
 
     clear_stale_build_locks()
     if not dist.is_initialized():
@@ -64,7 +76,6 @@ def clear_stale_build_locks(max_age_s: float = 600.0, root: str | Path | None = 
     later GRPO start on that home directory then waits forever in init_distributed (seen here: 20 min before
     anyone looked). A build takes about a minute, so a lock untouched for 10 minutes is a dead builder's.
     """
-    from torch.utils.cpp_extension import get_default_build_root
 
     base = Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
     removed = []
@@ -131,10 +142,6 @@ class GRPOTrainer(Trainer):
 
     def setup(self) -> int:
         import deepspeed
-        import torch
-
-        from esbatch.backends import BACKENDS
-        from esbatch.models import load_model_and_tokenizer, load_weights
 
         cfg, m = self.cfg, self.cfg.model
         dtype = "float32" if self.device == "cpu" else m.dtype
@@ -168,8 +175,6 @@ class GRPOTrainer(Trainer):
         start = int(client["step"])
         self.saved_at = start if self.rd.center_t() == start else -1  # the final center may be missing
         if start % self.grpo.iterations:  # inside a generated batch: continue on the stored one
-            import torch
-
             path = self._batch_file(start)
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: the generated batch of the checkpoint after step {start} is missing")
@@ -220,7 +225,6 @@ class GRPOTrainer(Trainer):
     def _drift(self, t: int) -> dict[str, float]:
         """{"update/rel_distance_from_theta0": ...} after step ``t`` on rank 0: every step from the CPU copy of
         theta_0, or (tracking.drift off) at checkpoint steps and the last one from the base model's files."""
-        from esbatch.models import SafetensorsReader, relative_distance, weight_files
 
         if not self.ranks.lead:
             return {}
@@ -253,9 +257,6 @@ class GRPOTrainer(Trainer):
     def _sample(self, mine: list[int], t: int) -> tuple[list[Any], Any, Any]:
         """G responses per prompt with the current policy, their rewards [prompts, G], and whether the verifier
         scored each CORRECT [prompts, G] (bool)."""
-        import torch
-
-        from esbatch.backends.base import SamplingParams
 
         g, gc = self.grpo, self.cfg.generation
         sampling = SamplingParams(gc.temperature, gc.top_p, gc.max_new_tokens, n=g.group_size)
@@ -270,10 +271,6 @@ class GRPOTrainer(Trainer):
 
     def _advantages(self, rewards: Any) -> Any:
         """Group-relative advantages; "batch" scaling divides by the std of every rank's rewards."""
-        import torch
-        import torch.distributed as dist
-
-        from esbatch.grpo.core import group_advantages
 
         everyone = [torch.zeros_like(rewards) for _ in range(self.ranks.world)]
         dist.all_gather(everyone, rewards)
@@ -332,9 +329,6 @@ class GRPOTrainer(Trainer):
     def _logprobs(self, model: Any, ids: Any, attn: Any) -> Any:
         """Token log-probs [B, T] of ``model`` without gradient, micro-batch by micro-batch (zeros past each
         micro-batch's width, where the loss mask is 0)."""
-        import torch
-
-        from esbatch.grpo.core import token_logprobs
 
         temp = self.cfg.generation.temperature or 1.0
         out = torch.zeros(ids.shape[0], ids.shape[1] - 1, device=ids.device)
@@ -351,9 +345,6 @@ class GRPOTrainer(Trainer):
         [entropy, kl, clip fraction, loss, completion tokens, FLOPs]. FLOPs: this step's share of the batch's
         (App. G.2); the ``first`` step of a batch also carries its generation, old and reference forwards,
         so the mu steps of a batch sum to grpo_flops(..., iterations=mu)["total"]."""
-        import torch
-
-        from esbatch.grpo.core import grpo_loss, token_entropy, token_logprobs
 
         g, temp = self.grpo, self.cfg.generation.temperature or 1.0
         ids, attn, mask, adv, weight = b["ids"], b["attn"], b["mask"], b["adv"], b["weight"]
@@ -409,7 +400,6 @@ class GRPOTrainer(Trainer):
     def _sequences(self, mine: list[int], gens: list[Any]) -> tuple[Any, Any, Any, float]:
         """prompt + sampled tokens, right-padded, the attention mask, the loss mask over sampled tokens
         (shifted to the predicted positions), and the prompt tokens (repeated per response)."""
-        import torch
 
         tok, G = self.tok, self.grpo.group_size
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -424,17 +414,12 @@ class GRPOTrainer(Trainer):
         return ids, attn, mask, sum(len(s) for s in seqs) - float(mask.sum())
 
     def _gather(self, local: list[float]) -> Any:
-        import torch
-        import torch.distributed as dist
-
         mine = torch.tensor(local, dtype=torch.float64)
         parts = [torch.zeros_like(mine) for _ in range(self.ranks.world)]
         dist.all_gather(parts, mine)
         return torch.stack(parts)
 
     def _weights_checksum(self) -> float:
-        from esbatch.models import checksum
-
         return checksum(dict(self.engine.module.named_parameters()))
 
     def checksum(self) -> float | None:
@@ -443,8 +428,6 @@ class GRPOTrainer(Trainer):
     def save(self, t: int, final: bool) -> None:
         self.engine.save_checkpoint(str(self.rd.ds_checkpoint), tag=f"step{t}", client_state={"step": t})
         if t % self.grpo.iterations and self._batch is not None:  # resuming here reuses this batch
-            import torch
-
             torch.save(self._batch, self._batch_file(t))
         if final and self.ranks.lead:  # the policy in the same format as an ES center: evaluable, hand-over-able
             self.rd.save_center(self.policy_state(), t)

@@ -21,11 +21,12 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar
 
-from esbatch.tracking import default_tracking_uri
+from esbatch.tracking import MLflowTracker, NullTracker, default_tracking_uri, parent_tag, run_tags
 from esbatch.train import stop
 from esbatch.train.config import Algorithm, TrainConfig
 from esbatch.train.ranks import Ranks, collective_timeout_min, init_ranks
 from esbatch.train.rundir import RunDir
+from esbatch.train.taskeval import TaskEvals
 from esbatch.train.watchdog import Watchdog
 
 
@@ -172,7 +173,6 @@ class RunSession:
 
     def start(self, total: int, **meta: Any) -> str | None:
         """Open (or reopen) the MLflow run and mark the run running with its budget."""
-        from esbatch.tracking import MLflowTracker, NullTracker, parent_tag, run_tags
 
         cfg = self.cfg
         if not self.lead:
@@ -319,8 +319,6 @@ def _restore(run: RunSession, trainer: Trainer) -> tuple[int, list[dict[str, Any
 
 def _train_loop(run: RunSession, trainer: Trainer, start: int, total: int, progress: bool) -> None:
     from tqdm.auto import tqdm
-
-    from esbatch.train.taskeval import TaskEvals
 
     cfg, rd, phase = run.cfg, run.rd, run.watchdog.phase
     done_evals = {e["t"] for e in rd.evals()} if run.lead else set()

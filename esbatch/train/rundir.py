@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,7 +259,6 @@ class RunDir:
 
     def link_center(self, source: Path) -> None:
         """Make ``source`` (a stage's center) this folder's center too: a hard link, or a copy across filesystems."""
-        import shutil
 
         tmp = self.center.with_suffix(f".tmp{os.getpid()}")
         tmp.unlink(missing_ok=True)
@@ -271,7 +271,6 @@ class RunDir:
     def write_export(self, save: Callable[[Path], None], t: int) -> None:
         """Write final_model/ by ``save(folder)`` (e.g. save_pretrained) into a temporary folder, record the update
         it holds and swap it in, so a reader never sees a half-written model or a stale one as current."""
-        import shutil
 
         tmp = self.path / f".{self.FINAL_MODEL}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -19,7 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from esbatch.metrics import mean_metrics, problem_metrics
+from esbatch.tasks import TASKS
 from esbatch.tasks.verify import guarded_answer_key, guarded_score, guarded_score_many
 from esbatch.train.config import TrainConfig
 
@@ -82,7 +85,6 @@ def eval_seed(seed: int, label: str, t: int) -> int:
 @contextmanager
 def rng_untouched() -> Any:
     """Run a block and put every RNG it may draw from back as it was (torch CPU and CUDA, numpy, random)."""
-    import numpy as np
     import torch
 
     py, npy = random.getstate(), np.random.get_state()
@@ -107,8 +109,6 @@ class TaskEvals:
         return bool(self.ev.tasks)
 
     def _load(self) -> list[tuple[Any, Any, list[Any], list[Any]]]:
-        from esbatch.tasks import TASKS
-
         if self._loaded is None:
             self._loaded = []
             for et in self.ev.tasks:
