@@ -27,6 +27,7 @@ from esbatch.train.sections import (  # the run config's sections: in-training e
     EvalTask,
     ModelConfig,
     TrackingConfig,
+    ks_errors,
     ks_list,
     model_errors,
 )
@@ -58,7 +59,7 @@ class EvalConfig(Schema):
     )
     mlflow_run: str | None = setting(None, "A training MLflow run id: evaluate its final center, log nested under it.")
     sampling: Sampling = field(default_factory=Sampling, metadata={"help": "Sampled evaluation protocol."})
-    ks: list = setting([1, 16, 32], "K values for Pass@K and Maj@K (those <= n are reported).", check=ks_list)
+    ks: list = setting([1, 16, 32], "K values for Pass@K and Maj@K (each <= sampling.n).", check=ks_list)
     tasks: list[EvalTask] = setting([{"name": "gsm8k"}], "Tasks to evaluate, each a mapping (or just a task name).")
     threads: int = setting(0, "torch CPU threads (0 = torch's default).", ge=0)
     score_workers: int = setting(0, "Threads scoring responses (math-verify, code sandbox); 0 = CPU count.", ge=0)
@@ -81,6 +82,7 @@ class EvalConfig(Schema):
             errors.append(f"tasks: '{lab}' appears twice; give one of them a distinct `label`")
         if not labels:
             errors.append("tasks: give at least one task, e.g. tasks: [{name: gsm8k}]")
+        errors.extend(ks_errors(self.ks, self.sampling.n, "ks", "sampling.n"))
         if self.checkpoint and self.mlflow_run:
             errors.append("checkpoint / mlflow_run: give one source of trained weights, not both")
         if self.checkpoint_update is not None and not self.checkpoint:

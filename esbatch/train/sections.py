@@ -88,6 +88,17 @@ class RewardConfig:
     missing: float = setting(0.0, "Reward when the required answer format is missing (paper: 0).")
 
 
+def ks_errors(ks: list[int], n: int, ks_key: str, n_key: str) -> list[str]:
+    """Pass@K and Maj@K need K samples per problem: a K above the sample count would be dropped from the tables."""
+    over = [k for k in ks if k > n]
+    if not over:
+        return []
+    return [
+        f"{ks_key}: K = {', '.join(map(str, over))} exceed {n_key} = {n}: Pass@K and Maj@K need at least K samples per "
+        f"problem. Drop them (valid: K <= {n}) or raise {n_key} to {max(over)}"
+    ]
+
+
 @expects("a list of positive integers, e.g. [1, 16, 32]")
 def ks_list(v: Any) -> list[int]:
     if not isinstance(v, list) or not v:
@@ -151,14 +162,14 @@ class InTrainingEvalConfig:
     samples: int = setting(32, "`tasks`: responses per problem (paper G.4: 32).", ge=1)
     temperature: float = setting(0.6, "`tasks`: sampling temperature (paper G.4: 0.6).", gt=0.0)
     top_p: float = setting(1.0, "`tasks`: nucleus sampling mass.", gt=0.0, le=1.0)
-    ks: list = setting(
-        [1, 16, 32], "`tasks`: K values of Pass@K and Maj@K (those <= samples are logged).", check=ks_list
-    )
+    ks: list = setting([1, 16, 32], "`tasks`: K values of Pass@K and Maj@K (each <= samples).", check=ks_list)
 
     def validate(self, path: str, errors: list[str]) -> None:
         labels = [t.label or t.name for t in self.tasks]
         for lab in sorted({x for x in labels if labels.count(x) > 1}):
             errors.append(f"{path}.tasks: '{lab}' appears twice; give one of them a distinct `label`")
+        if self.tasks:
+            errors.extend(ks_errors(self.ks, self.samples, f"{path}.ks", f"{path}.samples"))
 
 
 @dataclass

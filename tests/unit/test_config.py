@@ -160,3 +160,31 @@ def test_an_algorithm_brings_its_own_section_as_docs_extending_says(tmp_path, ti
     summary = train(cfg, tmp_path / "b", progress=False)
     log = (tmp_path / "b" / "log.jsonl").read_text().splitlines()
     assert len(log) == 2 and summary["updates"] == 2
+
+
+@pytest.mark.parametrize(("n", "ks", "bad"), [(4, [1, 4], []), (4, [1, 5], [5]), (2, [1, 16, 32], [16, 32])])
+def test_k_above_the_sample_count_is_refused_not_dropped(n, ks, bad):
+    """Pass@K with K samples exactly is valid; one more is refused by validation (it used to vanish from the
+    tables), in eval configs and in in-training evaluations with tasks."""
+    from esbatch.config.eval import eval_config_from_dict
+
+    task = {"name": "arithmetic", "limit": 2}
+    cases = [
+        (lambda: eval_config_from_dict({"sampling": {"n": n}, "ks": ks, "tasks": [task]}), "ks", "sampling.n"),
+        (
+            lambda: config_from_dict({"es": {"updates": 1}, "eval": {"samples": n, "ks": ks, "tasks": [task]}}),
+            "eval.ks",
+            "eval.samples",
+        ),
+    ]
+    for build, ks_key, n_key in cases:
+        if not bad:
+            build()
+            continue
+        with pytest.raises(ConfigError) as e:
+            build()
+        want = f"{ks_key}: K = {', '.join(map(str, bad))} exceed {n_key} = {n}"
+        assert want in str(e.value) and f"raise {n_key} to {max(bad)}" in str(e.value)
+    config_from_dict(
+        {"es": {"updates": 1}, "eval": {"samples": n, "ks": ks}}
+    )  # no tasks: nothing is sampled, nothing to check
