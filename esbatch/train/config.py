@@ -102,6 +102,7 @@ class TrainConfig(Schema):
             errors.append(f"algorithm: {why}")
         else:
             ALGORITHMS.get(self.algorithm).check(self, errors)
+            snapshot_errors(self, errors)
         dev = self.model.device
         if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
             errors.append(f"model.device: {dev!r} is not a device. Valid: auto, cpu, cuda, cuda:N")
@@ -228,3 +229,20 @@ def assemble(algorithms: list[type[Algorithm]], name: str = "Config", module: st
     config = dataclasses.make_dataclass(name, fields, bases=(TrainConfig,), namespace={"algorithm_sections": sections})
     config.__module__ = module
     return config
+
+
+def snapshot_errors(cfg: TrainConfig, errors: list[str]) -> None:
+    """A snapshot after an update the budget never reaches would silently not exist."""
+    algo = cfg.algo()
+    try:
+        budget = algo.planned_budget(cfg)
+    except (AttributeError, TypeError):  # the algorithm's own check has reported its budget problem
+        return
+    late = [t for t in cfg.checkpoint.snapshots if budget is not None and t > budget]
+    if late:
+        key = f"{algo.section}.updates" if algo.section else "the budget"
+        errors.append(
+            f"checkpoint.snapshots: {', '.join(map(str, late))} lie after the last update ({key}: {budget}), so no "
+            f"such snapshot would be written. Valid: 1 .. {budget}"
+        )
+

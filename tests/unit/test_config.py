@@ -188,3 +188,20 @@ def test_k_above_the_sample_count_is_refused_not_dropped(n, ks, bad):
     config_from_dict(
         {"es": {"updates": 1}, "eval": {"samples": n, "ks": ks}}
     )  # no tasks: nothing is sampled, nothing to check
+
+
+@pytest.mark.parametrize(("snapshots", "ok"), [([3, 4], True), ([5], False), ([2, 9], False)])
+def test_a_snapshot_after_the_last_update_is_refused(snapshots, ok):
+    for algo, budget in (("es", {"es": {"updates": 4}}), ("grpo", {"grpo": {"updates": 4}})):
+        raw = {"algorithm": algo, **budget, "checkpoint": {"snapshots": snapshots}}
+        if ok:
+            config_from_dict(raw)
+            continue
+        late = ", ".join(str(t) for t in snapshots if t > 4)
+        with pytest.raises(
+            ConfigError, match=rf"checkpoint.snapshots: {late} lie after the last update \({algo}.updates: 4\)"
+        ):
+            config_from_dict(raw)
+    config_from_dict(
+        {"es": {"epochs": 1}, "checkpoint": {"snapshots": [999]}}
+    )  # epochs: the budget depends on the data
