@@ -66,6 +66,7 @@ def stage_configs(
         stage = ALGORITHMS.get(algo)
         section = getattr(sc, stage.section)
         section.updates, section.epochs = n, None
+        sc.checkpoint.snapshots = [t for t in sc.checkpoint.snapshots if t <= n]  # a stage counts its own updates
         sc.run.data_before = [list(x) for x in before]
         batches = stage.data_batches(sc, n)
         before.append([batches, section.batch_size])

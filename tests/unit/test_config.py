@@ -205,3 +205,22 @@ def test_a_snapshot_after_the_last_update_is_refused(snapshots, ok):
     config_from_dict(
         {"es": {"epochs": 1}, "checkpoint": {"snapshots": [999]}}
     )  # epochs: the budget depends on the data
+
+
+def test_a_pipeline_stage_keeps_the_snapshots_within_its_own_budget(tmp_path):
+    """Snapshots are counted in a stage's own updates; those past it were never written and would fail the
+    stage's validation, so the stage config drops them."""
+    from esbatch.pipeline import stage_configs
+
+    cfg = config_from_dict(
+        {
+            "algorithm": "pipeline",
+            "pipeline": {"stages": ["es", "grpo"], "updates": 5, "split": [2, 3]},
+            "checkpoint": {"snapshots": [1, 3]},
+        }
+    )
+    stages = [sc for _, sc in stage_configs(cfg, tmp_path, None)]
+    assert [s.checkpoint.snapshots for s in stages] == [[1], [1, 3]]
+    for s in stages:  # each stage validates (the second one's init_weights is the first one's future center)
+        s.model.init_weights = None
+        assert config_from_dict(s.to_dict()).checkpoint.snapshots == s.checkpoint.snapshots
