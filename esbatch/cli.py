@@ -7,6 +7,7 @@ and diagnose machinery is imported by its subcommand, so that those light comman
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -38,6 +39,7 @@ from esbatch.tasks import TASKS
 from esbatch.train import stop, train
 from esbatch.train.config import ALGORITHMS, TrainConfig
 from esbatch.train.flops import format_accounting
+from esbatch.train.lock import held_env, writer_lock
 from esbatch.train.rundir import RunDir, RunFolderError
 from esbatch.train.sections import RunConfig
 
@@ -61,11 +63,20 @@ def _err(msg: str) -> int:
 # ----------------------------------------------------------------------------- train
 
 
-def _train_config(args: argparse.Namespace) -> tuple[Any, Path] | int:
-    """The config and run folder of `esbatch train CONFIG` or `esbatch train --resume RUN_DIR`."""
+def _lead_rank() -> bool:
+    """Rank 0 of a torchrun job (or a plain process): the run folder's one writer."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _train_config(args: argparse.Namespace, hold: contextlib.ExitStack) -> tuple[Any, Path] | int:
+    """The config and run folder of `esbatch train CONFIG` or `esbatch train --resume RUN_DIR`; rank 0 takes the
+    folder's writer lock into ``hold`` before it reads what it may rewrite (esbatch/train/lock.py)."""
     if not args.resume:
         cfg = load_config(args.config, args.overrides)
-        return cfg, Path(cfg.run.output_dir) / cfg.run.name
+        run_dir = Path(cfg.run.output_dir) / cfg.run.name
+        if _lead_rank() and not (run_dir / "sweep.json").exists():  # a sweep folder: RunSession says so
+            hold.enter_context(writer_lock(run_dir))
+        return cfg, run_dir
     rd = RunDir(args.resume)
     if not rd.config.exists():
         return _err(f"--resume {rd.path}: no {RunDir.CONFIG} there; give the run directory printed by `esbatch train`")
@@ -77,8 +88,10 @@ def _train_config(args: argparse.Namespace) -> tuple[Any, Path] | int:
             f"--set {fixed[0]}: cannot change this on resume (the logged updates depend on it); "
             f"start a new run instead. On resume you may set: {', '.join(sorted(RESUME_OVERRIDABLE))}"
         )
+    if _lead_rank():
+        hold.enter_context(writer_lock(rd.path))
     cfg = load_run_config(rd.path, args.overrides)  # a folder from before es.noise: legacy-cpu
-    if args.overrides:  # atomically: the other ranks of a torchrun job read this file at the same moment
+    if args.overrides and _lead_rank():  # atomically: the other ranks of a torchrun job read it at the same moment
         tmp = rd.config.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(cfg.to_yaml())
         os.replace(tmp, rd.config)
@@ -86,7 +99,12 @@ def _train_config(args: argparse.Namespace) -> tuple[Any, Path] | int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    got = _train_config(args)
+    with contextlib.ExitStack() as hold:  # the run folder's writer lock, held until the command ends
+        return _cmd_train(args, hold)
+
+
+def _cmd_train(args: argparse.Namespace, hold: contextlib.ExitStack) -> int:
+    got = _train_config(args, hold)
     if isinstance(got, int):
         return got
     cfg, run_dir = got
@@ -98,7 +116,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     stop.install((signal.SIGTERM, signal.SIGINT, signal.SIGUSR2))  # USR2: SLURM's warning before the time limit
     if cfg.run.nproc_per_node > 1 and "RANK" not in os.environ and cfg.algo().multi_rank:
-        return _start_ranks(cfg.run.nproc_per_node)
+        return _start_ranks(cfg.run.nproc_per_node, run_dir)
     try:
         s = train(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress)
     except KeyboardInterrupt:
@@ -131,13 +149,14 @@ def _print_summary(s: dict[str, Any]) -> None:
         print(f"  view it: mlflow ui --backend-store-uri {s['tracking_uri']}")
 
 
-def _start_ranks(n: int) -> int:
+def _start_ranks(n: int, run_dir: Path) -> int:
     """Re-run this command under torchrun with n ranks (ES: the population is split over them; GRPO: data
-    parallel). Exits non-zero when any rank fails; the run folder is then resumable with --resume."""
+    parallel). Exits non-zero when any rank fails; the run folder is then resumable with --resume. This process
+    keeps holding the run folder's writer lock; its rank 0 writes under it."""
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "-m", "esbatch", *sys.argv[1:]]
     print(f"starting {n} ranks: {' '.join(cmd[1:])}", file=sys.stderr)
-    rc = subprocess.call(cmd)
+    rc = subprocess.call(cmd, env={**os.environ, **held_env(run_dir)})
     if rc:
         print(
             f"error: a rank failed (exit {rc}); see its traceback above. The run folder is resumable.", file=sys.stderr

@@ -26,6 +26,7 @@ from esbatch.analyze.drift import check_taus, resolve_run
 from esbatch.config import load_config
 from esbatch.eval.center import newest_center
 from esbatch.models import SafetensorsReader, weight_files
+from esbatch.train.lock import writer_lock
 from esbatch.train.rundir import RunDir, RunFolderError
 
 FOLDER = "thresholded"
@@ -116,6 +117,11 @@ def threshold_run(run: str | Path, taus: list[float], base_dtype: str | None = N
     rw = resolve_run(run)
     if rw.rd.path.parent.name == FOLDER:
         raise RunFolderError(f"{rw.rd.path} is itself a thresholded checkpoint; threshold the run it came from")
+    with writer_lock(rw.rd.path):  # <run>/thresholded/ is written into the run folder: one writer
+        return _threshold_run(rw, taus, base_dtype)
+
+
+def _threshold_run(rw: Any, taus: list[float], base_dtype: str | None) -> list[Path]:
     taus = sorted(set(float(t) for t in taus))
     m = rw.model
     base = SafetensorsReader(weight_files(m.name, m.gguf_file, m.revision))

@@ -14,12 +14,15 @@ temporary file that is deleted once read.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+from esbatch.train.lock import writer_lock
 from esbatch.train.rundir import RunDir, RunFolderError
 
 
@@ -33,10 +36,16 @@ def center_at(run: str | Path, t: int, out: str | Path | None = None) -> Path:
         raise FileNotFoundError(f"{rd.path}: not a run folder (no {RunDir.CONFIG})")
     if t < 0:
         raise ValueError(f"--at {t}: give an update count >= 0")
-    from esbatch.es.replay import rebuild_center  # heavy: torch (the HF backend replays on the CPU)
-
     cfg = load_run_config(rd.path)  # the run's own es.noise (legacy-cpu when it predates the key)
     target = Path(out) if out else rd.snapshot(t)
+    inside = target.resolve().is_relative_to(rd.path.resolve())
+    with writer_lock(rd.path) if inside else contextlib.nullcontext():  # a file inside the run: one writer
+        return _write_center(rd, cfg, t, target)
+
+
+def _write_center(rd: RunDir, cfg: Any, t: int, target: Path) -> Path:
+    from esbatch.es.replay import rebuild_center  # heavy: torch (the HF backend replays on the CPU)
+
     if cfg.algorithm == "es":
         rd.save_center(rebuild_center(cfg, rd, t), t, target)
         return target
@@ -98,8 +107,9 @@ def newest_center(rd: RunDir, algorithm: str) -> Iterator[tuple[Path, int]]:
         yield rd.center, t
         return
     tmp = rd.path / f".center-rebuilt-{t}.tmp{os.getpid()}.safetensors"
-    try:
-        center_at(rd.path, t, tmp)
-        yield tmp, t
-    finally:
-        tmp.unlink(missing_ok=True)
+    with writer_lock(rd.path):  # the temporary file is written into the run folder
+        try:
+            center_at(rd.path, t, tmp)
+            yield tmp, t
+        finally:
+            tmp.unlink(missing_ok=True)

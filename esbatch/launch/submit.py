@@ -23,6 +23,7 @@ from esbatch.launch.slurm import job_state
 from esbatch.launch.state import ACTIVE_STATES, RunState, SweepDir, combine, disk_state, now
 from esbatch.launch.sweep import Sweep
 from esbatch.train import stop
+from esbatch.train.lock import writer_lock
 from esbatch.train.rundir import RunDir, RunFolderError
 
 DONE_OR_ACTIVE = {"finished", "queued", "running", "damaged"}  # not submitted (damaged: said why, left alone)
@@ -269,8 +270,15 @@ def dry_run(sweep: Sweep, out: Any) -> int:
 
 
 def submit_sweep(sweep: Sweep, *, wait: bool = False, out: Any = None) -> int:
-    """Plan, skip what is finished or active, submit the rest. Returns a process exit code (130: stopped)."""
-    out = out or sys.stdout
+    """Plan, skip what is finished or active, submit the rest. Returns a process exit code (130: stopped).
+
+    Under the sweep folder's writer lock (esbatch/train/lock.py) from planning until it returns, which for the
+    local launcher includes driving every run: a second `esbatch sweep` of the folder exits 2 meanwhile."""
+    with writer_lock(sweep.dir, "sweep folder"):
+        return _submit_sweep(sweep, wait=wait, out=out or sys.stdout)
+
+
+def _submit_sweep(sweep: Sweep, *, wait: bool, out: Any) -> int:
     sd = write_plan(sweep)
     states = {s.key: s for s in run_states(sd)}
     todo = [r.key for r in sweep.runs if states[r.key].state not in DONE_OR_ACTIVE]

@@ -8,6 +8,7 @@ requeues the job, and the requeued task resumes from the run folder (bit-exact f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,9 +25,11 @@ from esbatch.config import load_run_config
 from esbatch.config.eval import eval_config_from_dict
 from esbatch.es.config import ESConfig
 from esbatch.launch.evals import SOURCE_FILE, is_eval_key, source_record
-from esbatch.launch.state import SweepDir
+from esbatch.launch.state import SweepDir, disk_state
 from esbatch.train import stop, train, watchdog
 from esbatch.train.config import TrainConfig
+from esbatch.train.lock import writer_lock
+from esbatch.train.rundir import RunDir, RunFolderError
 
 
 def slurm_tags() -> dict[str, str]:
@@ -120,13 +123,27 @@ def run_task(sweep_dir: str | Path, key: str, progress: bool = False) -> dict[st
         if not cfg.algo().multi_rank:
             raise ValueError(f"{cfg.algorithm} runs use one process; set ntasks_per_node: 1 and nodes: 1 for them")
         distributed_env_from_slurm()
-    resume = rd.exists()
-    if resume:
-        keep_recorded_noise(cfg, rd.path)
-        if os.environ.get("RANK", "0") == "0":
-            rd.config.write_text(cfg.to_yaml())  # only budgets/bookkeeping can differ: the key pins the rest
-    print(f"esbatch task: sweep {meta['name']} run {key} ({entry['label']}) resume={resume}", flush=True)
-    return train(cfg, rd.path, resume=resume, progress=progress, run_name=entry["label"], tags=tags)
+    lead = os.environ.get("RANK", "0") == "0"
+    with writer_lock(rd.path) if lead else contextlib.nullcontext():  # rank 0 writes; the lock outlives train()
+        resume = rd.exists()
+        if lead and resume and finished(rd, cfg):  # another task (a second launcher) trained it meanwhile
+            print(f"esbatch task: sweep {meta['name']} run {key} is already finished; nothing to do", flush=True)
+            return {
+                "run_dir": str(rd.path),
+                "updates": rd.progress(),
+                "mlflow_run_id": rd.read_meta().get("mlflow_run_id"),
+            }
+        if resume:
+            keep_recorded_noise(cfg, rd.path)
+            if lead:
+                rd.config.write_text(cfg.to_yaml())  # only budgets/bookkeeping can differ: the key pins the rest
+        print(f"esbatch task: sweep {meta['name']} run {key} ({entry['label']}) resume={resume}", flush=True)
+        return train(cfg, rd.path, resume=resume, progress=progress, run_name=entry["label"], tags=tags)
+
+
+def finished(rd: RunDir, plan: TrainConfig) -> bool:
+    """The run folder says finished with the plan's whole budget done (read under the run's writer lock)."""
+    return disk_state(rd, plan)[0] == "finished"
 
 
 class SweepTask(Checkpointable):
@@ -192,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     stop.install()
     try:
         run_task(args[0], args[1])
+    except RunFolderError as e:  # another writer holds the run folder, or the folder is damaged: say so, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted; the next `esbatch sweep` resumes this run", file=sys.stderr)
         return 130

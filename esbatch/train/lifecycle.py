@@ -18,12 +18,14 @@ import resource
 import socket
 import time
 from abc import ABC, abstractmethod
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, ClassVar
 
 from esbatch.tracking import MLflowTracker, NullTracker, default_tracking_uri, parent_tag, run_tags
 from esbatch.train import stop
 from esbatch.train.config import Algorithm, TrainConfig
+from esbatch.train.lock import writer_lock
 from esbatch.train.ranks import Ranks, collective_timeout_min, init_ranks
 from esbatch.train.rundir import RunDir
 from esbatch.train.taskeval import TaskEvals
@@ -134,6 +136,20 @@ class RunSession:
     # ---------------------------------------------------------------- opening and closing
     def __enter__(self) -> RunSession:
         rd = self.rd
+        if self.resume and not rd.path.is_dir():
+            raise FileNotFoundError(f"{rd.path}: no run to resume here (no such folder)")
+        self._lock = ExitStack()
+        if self.lead:  # rank 0 is the folder's one writer (esbatch/train/lock.py); the other ranks only read it
+            self._lock.enter_context(writer_lock(rd.path))
+        try:
+            self._open()
+        except BaseException:
+            self._lock.close()
+            raise
+        return self
+
+    def _open(self) -> None:
+        rd = self.rd
         retry = rd.exists() and not self.resume and rd.never_updated()
         if retry:
             self._check_not_running()
@@ -169,7 +185,6 @@ class RunSession:
             import torch
 
             torch.set_num_threads(self.cfg.run.threads)
-        return self
 
     def start(self, total: int, **meta: Any) -> str | None:
         """Open (or reopen) the MLflow run and mark the run running with its budget."""
@@ -203,6 +218,10 @@ class RunSession:
         return self.run_id
 
     def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
+        with self._lock:  # released once run.json and MLflow say how the run ended
+            self._close(kind)
+
+    def _close(self, kind: type | None) -> None:
         if kind is None:
             self.status = "FINISHED"
         elif issubclass(kind, (KeyboardInterrupt, SystemExit)):  # a stop, Ctrl-C, or submitit's exit on requeue
