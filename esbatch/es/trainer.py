@@ -33,7 +33,7 @@ from esbatch.tasks import Verdict
 from esbatch.train.config import TrainConfig
 from esbatch.train.flops import es_flops
 from esbatch.train.lifecycle import Trainer
-from esbatch.train.problems import Problems, evaluate_heldout, load_problems, reward_of
+from esbatch.train.problems import Problems, check_scoring, evaluate_heldout, load_problems, reward_of
 from esbatch.train.ranks import Ranks
 from esbatch.train.rundir import RunDir
 from esbatch.train.schedule import batch_indices, schedule_start
@@ -64,14 +64,16 @@ def es_step(cfg: TrainConfig, backend: ESBackend, probs: Problems, t: int, ranks
         mine = [static[k] for k in pop.members]
     local, verdicts = {}, {}
     for i, gens in zip(mine, pop.generations):
+        before = probs.errors.count
         verdicts[i] = [probs.task.score(g.text, probs.train[j]) for g, j in zip(gens, idx)]
         scores = [reward_of(v, cfg) for v in verdicts[i]]
-        local[i] = (sum(scores) / len(scores), sum(g.n_tokens for g in gens))
+        local[i] = (sum(scores) / len(scores), sum(g.n_tokens for g in gens), probs.errors.count - before)
     t0 = time.perf_counter()
-    gathered = ranks.gather(len(members), local, width=2)
+    gathered = ranks.gather(len(members), local, width=3)
     t_wait = time.perf_counter() - t0  # this rank waiting for the others to finish their members
-    rewards = [r for r, _ in gathered]
-    n_tokens = int(sum(k for _, k in gathered))
+    rewards = [r for r, _, _ in gathered]
+    n_tokens = int(sum(k for _, k, _ in gathered))
+    scoring = check_scoring(cfg, probs, int(sum(e for _, _, e in gathered)), len(members) * len(idx))  # every rank
     z = normalize(rewards, es.normalization, es.eps_num)
     diversity = None
     if es.diversity.every and t % es.diversity.every == 0:  # before the update: p_i(x) of this population
@@ -95,6 +97,7 @@ def es_step(cfg: TrainConfig, backend: ESBackend, probs: Problems, t: int, ranks
         "tokens/generated": n_tokens,
         "tokens/per_s": n_tokens / pop.generation_s / ranks.world if pop.generation_s else 0.0,  # per rank
         "epoch": epoch,
+        **scoring,
         **_flops(backend, prompts, n_tokens, es.population_size),
     }
     record = {

@@ -43,7 +43,7 @@ from esbatch.tasks import Verdict
 from esbatch.train.config import TrainConfig
 from esbatch.train.flops import grpo_flops
 from esbatch.train.lifecycle import Trainer
-from esbatch.train.problems import evaluate_heldout, load_problems, reward_of
+from esbatch.train.problems import check_scoring, evaluate_heldout, load_problems, reward_of
 from esbatch.train.ranks import Ranks, joined
 from esbatch.train.rundir import RunDir
 from esbatch.train.schedule import batch_indices, schedule_start
@@ -213,6 +213,7 @@ class GRPOTrainer(Trainer):
             "time/generation_s": t_gen if generated else 0.0,
             "time/train_s": t_train,
             "flops/update": float(m[:, 7].sum()),  # App. G.2 accounting with this step's real token counts
+            **{k: float(b[k]) for k in ("score/errors", "score/error_rate") if k in b},  # of the generated batch
             **self._drift(t),
         }
         record = {"t": t, "metrics": metrics, "param_checksums": [float(c) for c in m[:, 8]]}
@@ -264,7 +265,9 @@ class GRPOTrainer(Trainer):
         prompts = [self.probs.train_prompts[i] for i in mine]
         gens = self.gen.generate(prompts, sampling, _step_seed(self.cfg.run.seed, t, self.ranks.rank))
         owners = [i for i in mine for _ in range(g.group_size)]
+        before = self.probs.errors.count
         verdicts = [self.probs.task.score(x.text, self.probs.train[i]) for i, x in zip(owners, gens)]
+        self._score_errors = (self.probs.errors.count - before, len(verdicts))
         scores = [reward_of(v, self.cfg) for v in verdicts]
         correct = torch.tensor([v is Verdict.CORRECT for v in verdicts]).view(len(mine), g.group_size)
         return gens, torch.tensor(scores, dtype=torch.float32).view(len(mine), g.group_size), correct
@@ -289,8 +292,12 @@ class GRPOTrainer(Trainer):
         t0 = time.perf_counter()
         gens, rewards, correct = self._sample(mine, index)
         t_gen = time.perf_counter() - t0
+        errors, scored = self._score_errors
+        if self.ranks.world > 1:  # every rank stops or none
+            errors, scored = (int(x) for x in self._gather([float(errors), float(scored)]).sum(0).tolist())
+        scoring = check_scoring(cfg, self.probs, errors, scored)
         b = self._prepare(mine, gens, self._advantages(rewards), weight)
-        return {**b, "index": index, "rewards": rewards, "t_gen": t_gen, "correct": correct, "batch": idx}
+        return {**b, "index": index, "rewards": rewards, "t_gen": t_gen, "correct": correct, "batch": idx, **scoring}
 
     def _prepare(self, mine: list[int], gens: list[Any], adv: Any, weight: float) -> dict[str, Any]:
         """The tensors the optimizer steps on one generated batch reuse, and the batch's FLOPs."""

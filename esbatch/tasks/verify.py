@@ -203,8 +203,15 @@ def _warn(task: Any, method: str, e: BaseException) -> None:
     scoring_warning(f"{type(task).__name__}.{method}", kind, f"raised {kind}, {outcome}: {str(e)[:160]!r}")
 
 
-def guarded(task: Any, method: str, fallback: Any) -> Callable[..., Any]:
-    """``task.<method>`` as it is now, made safe: an exception returns ``fallback`` with a warning line."""
+class ScoringError(RuntimeError):
+    """The verifier raised on too many responses of an update for its rewards to be trusted."""
+
+
+def guarded(
+    task: Any, method: str, fallback: Any, on_error: Callable[[BaseException], None] | None = None
+) -> Callable[..., Any]:
+    """``task.<method>`` as it is now, made safe: an exception returns ``fallback`` with a warning line (and is
+    passed to ``on_error``: training counts them, esbatch/train/problems.py)."""
     call = getattr(task, method)
 
     def safe(*args: Any) -> Any:
@@ -212,6 +219,8 @@ def guarded(task: Any, method: str, fallback: Any) -> Callable[..., Any]:
             return call(*args)
         except Exception as e:
             _warn(task, method, e)
+            if on_error is not None:
+                on_error(e)
             return fallback
 
     return safe

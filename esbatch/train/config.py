@@ -245,4 +245,3 @@ def snapshot_errors(cfg: TrainConfig, errors: list[str]) -> None:
             f"checkpoint.snapshots: {', '.join(map(str, late))} lie after the last update ({key}: {budget}), so no "
             f"such snapshot would be written. Valid: 1 .. {budget}"
         )
-

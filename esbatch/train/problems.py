@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from esbatch.backends.base import Generator, SamplingParams
 from esbatch.tasks import TASKS, Example, Task, Verdict
-from esbatch.tasks.verify import guarded, guarded_score, scoring_warning
+from esbatch.tasks.verify import ScoringError, guarded, guarded_score, scoring_warning
 from esbatch.train.config import TrainConfig
+
+
+@dataclass
+class ScoreErrors:
+    """The training verifier's exceptions (each scored WRONG): how many so far, and the last one."""
+
+    count: int = 0
+    last: str = ""
+
+    def add(self, e: BaseException) -> None:
+        self.count += 1
+        self.last = f"{type(e).__name__}: {str(e)[:200]}"
 
 
 @dataclass
@@ -19,19 +31,35 @@ class Problems:
     heldout: list[Example]
     train_prompts: list[str]
     heldout_prompts: list[str]
+    errors: ScoreErrors = field(default_factory=ScoreErrors)  # of task.score on training responses
 
 
 def load_problems(cfg: TrainConfig, generator: Generator) -> Problems:
     """The training and held-out problems of ``cfg.task``, prompted with ``generator``'s chat template."""
     task = TASKS.get(cfg.task.name)(cfg.task.data_path, **cfg.task.params)
-    task.score = guarded(task, "score", Verdict.WRONG)  # the trainers call it: an exception is a WRONG, not a crash
+    errors = ScoreErrors()
+    task.score = guarded(task, "score", Verdict.WRONG, errors.add)  # an exception is a WRONG, counted (check_scoring)
     sp = task.splits(cfg.task.train_size, cfg.task.heldout_size, cfg.task.few_shot, cfg.run.seed)
     demos = sp["demo"]
 
     def render(exs: list[Example]) -> list[str]:
         return [generator.chat_prompt(task.messages(e, demos, cfg.task.system_prompt)) for e in exs]
 
-    return Problems(task, sp["train"], sp["heldout"], render(sp["train"]), render(sp["heldout"]))
+    return Problems(task, sp["train"], sp["heldout"], render(sp["train"]), render(sp["heldout"]), errors)
+
+
+def check_scoring(cfg: TrainConfig, probs: Problems, errors: int, scored: int) -> dict[str, float]:
+    """An update's verifier failures as metrics; a ScoringError (the run stops before the update is applied, so a
+    resume redoes it) when ``errors`` of the ``scored`` training responses (all ranks) pass reward.max_score_errors."""
+    limit = cfg.reward.max_score_errors
+    if scored and errors / scored > limit:
+        raise ScoringError(
+            f"task {cfg.task.name}: its verifier raised on {errors} of the {scored} responses of this update, more "
+            f"than reward.max_score_errors = {limit:g} of them; each was scored WRONG, so the rewards are not the "
+            f"task's. Last one (this process): {probs.errors.last or 'on another rank'}. Fix the task's score() "
+            "(the warnings above show its failures) and resume the run, or raise reward.max_score_errors."
+        )
+    return {"score/errors": float(errors), "score/error_rate": errors / scored if scored else 0.0}
 
 
 def reward_of(verdict: Verdict, cfg: TrainConfig) -> float:

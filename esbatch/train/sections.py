@@ -19,6 +19,7 @@ from esbatch.tasks import TASKS
 RESUMABLE = (
     "run.hang_timeout_s",
     "run.threads",
+    "reward.max_score_errors",  # when to stop, never what an update computes
     "backend.engines",  # how many vLLM engines share the population does not change the result
     "eval.every",
     "eval.tasks",  # in-training evaluations and snapshots read the weights, never change them
@@ -86,6 +87,13 @@ class RewardConfig:
     correct: float = setting(1.0, "Reward for a verifier-correct answer (paper App. G.1: 1).")
     format: float = setting(0.1, "Reward for a well-formatted but wrong answer (paper: 0.1).")
     missing: float = setting(0.0, "Reward when the required answer format is missing (paper: 0).")
+    max_score_errors: float = setting(
+        0.05,
+        "A verifier exception scores the response WRONG and is counted (score/errors). Above this share of an "
+        "update's responses the run stops, naming the task and the exception (our choice). 1 = never stop.",
+        ge=0.0,
+        le=1.0,
+    )
 
 
 def ks_errors(ks: list[int], n: int, ks_key: str, n_key: str) -> list[str]:

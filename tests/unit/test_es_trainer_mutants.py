@@ -228,6 +228,8 @@ def test_one_process_record_and_metrics_equal_the_hand_values():
         "tokens/generated": 54,
         "tokens/per_s": 27.0,
         "epoch": epoch,
+        "score/errors": 0.0,
+        "score/error_rate": 0.0,
         "flops/update": pytest.approx(flops, rel=1e-12),
     }
     assert tokens == 54 and isinstance(m["tokens/generated"], int)
@@ -292,15 +294,15 @@ def test_dynamic_dispatch_in_one_process_is_the_static_plan():
 def test_static_rank_1_of_2_evaluates_members_1_and_3_and_gathers_the_rest():
     t = 3
     cfg, members, b, probs = _setup(t)
-    ranks = TwoRanks(1, {2: {0: [0.5, 7.0], 2: [0.0, 5.0]}})
+    ranks = TwoRanks(1, {3: {0: [0.5, 7.0, 0.0], 2: [0.0, 5.0, 0.0]}})
     rec = es_step(cfg, b, probs, t, ranks)
     (call,) = b.calls
     assert call["members"] == [(members[i].seed, SIGMA, members[i].gen_seed) for i in (1, 3)]
     assert call["claim"] is None
     # local rows of members 1 and 3: rewards (1/4 - 1/2 + 1) / 3 and (1 + 1/4 - 1/2) / 3, tokens sum_x 1 + i + 2x
     ((n, local, width),) = ranks.gathers
-    assert (n, width) == (N, 2)
-    assert local == {1: [0.25, 12], 3: [0.25, 18]}
+    assert (n, width) == (N, 3)
+    assert local == {1: [0.25, 12, 0], 3: [0.25, 18, 0]}  # reward, tokens, verifier exceptions
     rewards = [0.5, 0.25, 0.0, 0.25]
     assert rec["rewards"] == rewards
     assert rec["z"] == pytest.approx(_z(rewards), rel=1e-12)
@@ -313,14 +315,14 @@ def test_static_rank_1_of_2_evaluates_members_1_and_3_and_gathers_the_rest():
 def test_dynamic_rank_takes_the_members_its_claim_hands_out():
     t = 5
     cfg, members, b, probs = _setup(t, dispatch="dynamic")
-    ranks = TwoRanks(0, {2: {1: [0.75, 4.0], 3: [-0.5, 6.0]}}, claims=[2, 0])
+    ranks = TwoRanks(0, {3: {1: [0.75, 4.0, 0.0], 3: [-0.5, 6.0, 0.0]}}, claims=[2, 0])
     rec = es_step(cfg, b, probs, t, ranks)
     assert ranks.claimers == [(N, f"es/{t}")]
     (call,) = b.calls
     assert call["members"] == [(m.seed, SIGMA, m.gen_seed) for m in members]  # the whole population is offered
     assert callable(call["claim"])
     ((_, local, _),) = ranks.gathers
-    assert local == {0: [1.0, 9], 2: [-0.25, 15]}  # keyed by the population index the claim handed out
+    assert local == {0: [1.0, 9, 0], 2: [-0.25, 15, 0]}  # keyed by the population index the claim handed out
     assert rec["rewards"] == [1.0, 0.75, -0.25, -0.5]
     assert rec["metrics"]["tokens/generated"] == 9 + 4 + 15 + 6
 
@@ -392,7 +394,7 @@ def test_diversity_on_rank_1_of_2_sends_its_rows_and_takes_the_others():
     t = 2
     cfg, members, b, probs = _setup(t, diversity={"every": 1, "samples": 3})
     other_p = {0: [1.0, 1.0, 0.0, 40.0], 2: [0.0, 1 / 3, 1.0, 30.0]}
-    ranks = TwoRanks(1, {2: {0: [0.5, 7.0], 2: [0.0, 5.0]}, B + 1: other_p})
+    ranks = TwoRanks(1, {3: {0: [0.5, 7.0, 0.0], 2: [0.0, 5.0, 0.0]}, B + 1: other_p})
     rec = es_step(cfg, b, probs, t, ranks)
     _, extra_call = b.calls
     assert extra_call["members"] == [(members[i].seed, SIGMA, diversity_seed(members[i].gen_seed)) for i in (1, 3)]
@@ -696,3 +698,18 @@ PARAMS_OF_SETUP = (
     "lowrank_vectors",
     "dispatch",
 )
+
+
+def test_every_rank_stops_when_the_verifier_failures_of_all_ranks_pass_the_limit():
+    """Rank 1 scores its members without an exception, but rank 0 reports 5 of its 6 responses raised: 5 of 12
+    is above 0.4, so rank 1 stops too (the ranks must not split between stopping and waiting)."""
+    from esbatch.tasks.verify import ScoringError
+
+    cfg, members, b, probs = _setup(3)
+    cfg.reward.max_score_errors = 0.4
+    ranks = TwoRanks(1, {3: {0: [0.5, 7.0, 2.0], 2: [0.0, 5.0, 3.0]}})
+    with pytest.raises(ScoringError, match=r"raised on 5 of the 12 responses .* Last one \(this process\): on another"):
+        es_step(cfg, b, probs, 3, ranks)
+    cfg.reward.max_score_errors = 5 / 12  # exactly at the limit: logged, not stopped
+    rec = es_step(cfg, b, probs, 3, ranks)
+    assert (rec["metrics"]["score/errors"], rec["metrics"]["score/error_rate"]) == (5.0, 5 / 12)

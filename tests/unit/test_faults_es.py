@@ -6,6 +6,8 @@
 - generation seeds (and direction seeds) change with the update t and the run seed.
 """
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,8 @@ from esbatch.backends.base import ESBackend, Generation, UpdateStats
 from esbatch.config import config_from_dict
 from esbatch.es.core import draw_population
 from esbatch.es.trainer import es_step
+from esbatch.tasks import Verdict
+from esbatch.tasks.verify import ScoringError, guarded
 from esbatch.train.problems import load_problems
 
 SIGMA = 0.05
@@ -181,3 +185,35 @@ def test_perturbed_tiny_model_weights_are_center_plus_sign_sigma_eps(tiny_model_
         for name, c in c0.items():
             want = c + sign * SIGMA * _eps(seed, name, c.shape)
             torch.testing.assert_close(seen[i][name], want, rtol=0, atol=2e-6, msg=f"member {i} {name}")
+
+
+@pytest.mark.parametrize(
+    ("limit", "stops"),
+    [(0.0, True), (0.5, False), (0.49, True), (1.0, False)],  # half the 12 responses raise: 0.5 is at the limit
+)
+def test_a_verifier_that_raises_is_counted_and_stops_the_run_past_its_limit(limit, stops):
+    """The scorer raises on every response of the members perturbed upward (half of the N x B): each is scored
+    WRONG and counted; above reward.max_score_errors the update stops before it is applied, naming the task."""
+    cfg = _cfg(estimator="antithetic")
+    cfg.reward.max_score_errors = limit
+    b = RecordingBackend()
+    probs = load_problems(cfg, b)
+    task = probs.task
+
+    def fragile(response, ex):
+        if response:
+            raise ValueError("cannot parse " + response[:4])
+        return type(task).score(task, response, ex)
+
+    task.score = guarded(SimpleNamespace(score=fragile), "score", Verdict.WRONG, probs.errors.add)  # as load_problems
+    if stops:
+        with pytest.raises(ScoringError) as e:
+            es_step(cfg, b, probs, 0)
+        msg = str(e.value)
+        assert "task toy:DigitTask: its verifier raised on 6 of the 12 responses" in msg
+        assert f"reward.max_score_errors = {limit:g}" in msg and "ValueError: cannot parse 0123" in msg
+        assert b.specs == []  # nothing applied: a resume redoes this update
+    else:
+        rec = es_step(cfg, b, probs, 0)
+        assert (rec["metrics"]["score/errors"], rec["metrics"]["score/error_rate"]) == (6.0, 0.5)
+        assert len(b.specs) == 1 and rec["rewards"] == pytest.approx([0.1, 0.0, 0.1, 0.0])  # raised -> WRONG (0.1)

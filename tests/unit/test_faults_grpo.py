@@ -364,3 +364,35 @@ def test_defaults_compute_the_single_pass_step_bit_for_bit(tiny_model_dir, beta)
     assert (loss, ent, kl, clip, n_tok) == (float(want), float(h), stats["kl"], stats["clip_fraction"], 28.0)
     for n, p in model.named_parameters():
         assert torch.equal(got[n], p.grad), n
+
+
+def test_a_verifier_that_raises_stops_grpo_before_the_step(tiny_model_dir):
+    """GRPO counts the scorer's exceptions of a generated batch (all ranks) and stops before learning from it."""
+    from types import SimpleNamespace
+
+    from esbatch.tasks import Verdict
+    from esbatch.tasks.verify import ScoringError, guarded
+    from esbatch.train.problems import load_problems
+
+    tr, *_ = _trainer(tiny_model_dir)
+    tr.cfg.reward.max_score_errors = 0.5
+
+    class Gen:
+        def chat_prompt(self, messages):
+            return messages[-1]["content"]
+
+        def generate(self, prompts, sampling, seed):
+            return [Generation("7" if k % 4 else "", 1) for k in range(len(prompts) * sampling.n)]
+
+    tr.gen = Gen()
+    tr.probs = load_problems(tr.cfg, tr.gen)
+
+    def fragile(response, ex):
+        if response:
+            raise KeyError("no parser for " + response)
+        return Verdict.MISSING
+
+    tr.probs.task.score = guarded(SimpleNamespace(score=fragile), "score", Verdict.WRONG, tr.probs.errors.add)
+    with pytest.raises(ScoringError, match=r"raised on 3 of the 4 responses of this update, more than reward\.max_"):
+        tr._rollouts(0)
+    assert tr.engine.steps == 0
