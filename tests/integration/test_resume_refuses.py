@@ -13,6 +13,7 @@ from toy import toy_config
 
 from esbatch.config import config_from_dict
 from esbatch.train import train
+from esbatch.train.lock import LOCK_FILE
 from esbatch.train.rundir import RunDir, RunFolderError
 
 UPDATES = 4
@@ -42,7 +43,7 @@ def snapshot(folder: Path) -> dict[str, str]:
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(folder.rglob("*"))
-        if p.is_file()
+        if p.is_file() and p.name != LOCK_FILE  # the writer lock the resume held names its holder
     }
 
 
