@@ -36,6 +36,7 @@ from esbatch.launch.sweep import load_sweep
 from esbatch.models import DTYPES, MODELS, load_model_and_tokenizer
 from esbatch.registry import UnknownNameError
 from esbatch.tasks import TASKS
+from esbatch.tasks.verify import ScoringError
 from esbatch.train import stop, train
 from esbatch.train.config import ALGORITHMS, TrainConfig
 from esbatch.train.flops import format_accounting
@@ -787,6 +788,9 @@ def main(argv: list[str] | None = None) -> int:
         return _err(str(e))
     except (UnknownNameError, FileExistsError, FileNotFoundError, RunFolderError) as e:
         return _err(str(e))
+    except ScoringError as e:  # the run stopped before the update; run.json and MLflow say failed
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         stop.settle()
 

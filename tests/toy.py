@@ -133,6 +133,15 @@ class DigitTask(Task):
         return Verdict.WRONG if any(c.isdigit() for c in response) else Verdict.MISSING
 
 
+class RaisingDigitTask(DigitTask):
+    """DigitTask whose scorer raises on every response with a digit in it (a broken verifier)."""
+
+    def score(self, response, ex):
+        if any(c.isdigit() for c in response):
+            raise ValueError(f"cannot read {response[:8]!r}")
+        return Verdict.MISSING
+
+
 class HangingDigitTask(DigitTask):
     """DigitTask whose scorer never returns once, to test the watchdog: the ``hang_after``-th call to score
     (counted per process) on rank ``rank`` blocks forever if the file ``marker`` exists, and deletes it first,

@@ -3,6 +3,7 @@
 Kills and signals land inside a chosen update by construction: the run's scorer waits at a gate (tests/gate.py)
 on the first scoring call of that update until the test has acted."""
 
+import json
 import os
 import signal
 import subprocess
@@ -205,3 +206,23 @@ def test_resume_after_the_last_update_restores_the_final_checkpoint_and_eval(ref
     ref, got = center(ref_dir), center(run_dir)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
     assert (run_dir / "eval.jsonl").read_text().splitlines()[-1] == evals[-1]
+
+
+def test_a_broken_verifier_stops_the_run_with_one_clear_error(tmp_path, tiny_model_dir):
+    """Every response with a digit raises in the scorer: the first update stops past reward.max_score_errors with
+    exit 1, one error naming the task and no traceback; run.json and MLflow say failed, no update is logged."""
+    from mlflow.tracking import MlflowClient
+
+    cfg = yaml.safe_load(write_config(tmp_path, tiny_model_dir, "broken").read_text())
+    cfg["task"]["name"] = "toy:RaisingDigitTask"
+    (tmp_path / "broken.yaml").write_text(yaml.safe_dump(cfg))
+    p = esbatch("train", str(tmp_path / "broken.yaml"))
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 1, out
+    assert "error: task toy:RaisingDigitTask: its verifier raised on" in out and "Traceback" not in out, out
+    assert "ValueError: cannot read" in out
+    rd = tmp_path / "runs" / "broken"
+    meta = json.loads((rd / "run.json").read_text())
+    assert meta["status"] == "failed" and not (rd / "log.jsonl").exists()
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    assert client.get_run(meta["mlflow_run_id"]).info.status == "FAILED"
