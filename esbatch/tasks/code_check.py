@@ -403,8 +403,12 @@ def _judge_chunks(items: list[tuple[int, str | None]]) -> Iterator[list[int]]:
         yield group
 
 
-def _run_judge(plans: Sequence[TestPlan], items: list[tuple[int, str | None]], limits: Limits) -> list[bool] | None:
-    """Verdicts of one judge run, or None when it did not finish (a timeout, a crash)."""
+JudgeRun = tuple["list[bool] | None", "BaseException | None"]
+
+
+def _run_judge(plans: Sequence[TestPlan], items: list[tuple[int, str | None]], limits: Limits) -> JudgeRun:
+    """(verdicts, None) of one judge run; (None, None) when it did not finish (a timeout, a crash); (None, the
+    exception) when the sandbox raised (``judge`` tells a sandbox that cannot start from a response breaking it)."""
     marker = f"@@judge-{secrets.token_hex(16)}@@"
     timeout = max(10.0, 2 * limits.timeout_s) + 0.05 * len(items)
     size_mb = sum(len(p or "") for _, p in items) >> 20
@@ -417,28 +421,44 @@ def _run_judge(plans: Sequence[TestPlan], items: list[tuple[int, str | None]], l
             max_output=64_000 + 8 * len(items),
             allow_unconfined=limits.allow_unconfined,
         )
-    except Exception as e:  # the sandbox could not run it: these responses fail
+    except Exception as e:  # the sandbox could not run it: these responses fail, unless it never runs (judge)
         print(f"warning: MBPP judge did not run ({type(e).__name__}: {str(e)[:200]})", file=sys.stderr)
-        return None
+        return None, e
     lines = [line for line in r.stdout.split("\n") if line.startswith(marker)]
     try:
         verdicts = json.loads(lines[-1][len(marker) :]) if lines and r.ok else None
     except ValueError:
         verdicts = None
     ok = isinstance(verdicts, list) and len(verdicts) == len(items) and all(type(v) is bool for v in verdicts)
-    return verdicts if ok else None
+    return (verdicts if ok else None), None
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox raised for every judge run of a batch, one response at a time too: it cannot start here, so
+    no response can be judged (raised, so a training run stops instead of scoring every response WRONG)."""
 
 
 def judge(plans: Sequence[TestPlan], items: list[tuple[int, str | None]], limits: Limits) -> list[bool]:
     """Run the judge over ``items``; a run that does not finish is repeated one response at a time, so one
-    pathological value fails only its own response."""
+    pathological value fails only its own response. When the sandbox raised for every one of those single runs
+    too, it cannot start: SandboxUnavailable."""
     verdicts = [False] * len(items)
     for group in _judge_chunks(items):
         sub = [items[i] for i in group]
-        got = _run_judge(plans, sub, limits)
+        got, error = _run_judge(plans, sub, limits)
+        errors = [error]
         if got is None and len(sub) > 1:
             print(f"warning: MBPP judge failed on {len(sub)} responses; judging them one by one", file=sys.stderr)
-            got = [bool(v and v[0]) for v in _judge_each(plans, sub, limits)]
+            each = _judge_each(plans, sub, limits)
+            got, errors = [bool(v and v[0]) for v, _ in each], [e for _, e in each]
+        if got is None or not any(got):
+            if all(e is not None for e in errors):
+                e = errors[0]
+                raise SandboxUnavailable(
+                    f"the code sandbox could not run any of {len(sub)} judge programs ({type(e).__name__}: "
+                    f"{str(e)[:300]}); see docs/evaluation.md for what it needs (user namespaces or "
+                    "allow_unconfined, a cgroup)"
+                ) from e
         for i, ok in zip(group, got or [False] * len(sub)):
             verdicts[i] = ok
     return verdicts
@@ -467,7 +487,7 @@ def _run_each(programs: list[str], workers: int | None, limits_kw: dict) -> list
     return [None if isinstance(r, Exception) else r for r in results]
 
 
-def _judge_each(plans: Sequence[TestPlan], items: list[tuple[int, str | None]], limits: Limits) -> list:
+def _judge_each(plans: Sequence[TestPlan], items: list[tuple[int, str | None]], limits: Limits) -> list[JudgeRun]:
     with ThreadPoolExecutor(max_workers=limits.workers or None) as pool:
         return list(pool.map(lambda item: _run_judge(plans, [item], limits), items))
 

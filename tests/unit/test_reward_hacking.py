@@ -6,9 +6,13 @@ tests/integration/test_reward_hacking_sandboxed.py.
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
 from mbpp_cases import FIXTURE, RIGHT, unprobed_task
 
+from esbatch.sandbox import SandboxError
 from esbatch.tasks.code_check import plan_tests
 
 
@@ -48,3 +52,44 @@ def test_plan_lifts_only_solution_calls():
     assert plan_tests(["assert f(lambda x: x + 1, [y for y in 'ab']) == 2"], []).calls == (
         "f(lambda x: x + 1, [y for y in 'ab'])",
     )
+
+
+def _plans(n):
+    from esbatch.tasks.code_check import TestPlan
+
+    return [TestPlan(setup=(), calls=(), asserts=())] * n
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_sandbox_that_cannot_start_stops_judging_instead_of_failing_every_response(monkeypatch, n):
+    """The sandbox raising for the batch judge and then for every single judge run is a sandbox that does not run
+    here: an error, not n WRONG verdicts."""
+    from esbatch.tasks import code_check
+    from esbatch.tasks.code_check import Limits, SandboxUnavailable, judge
+
+    def refuse(*a, **k):
+        raise SandboxError("the sandbox could not start the program: unshare refused")
+
+    monkeypatch.setattr(code_check, "run_python", refuse)
+    with pytest.raises(SandboxUnavailable, match=rf"could not run any of {n} judge programs \(SandboxError: the sa"):
+        judge(_plans(1), [(0, "x")] * n, Limits())
+
+
+def test_a_response_that_breaks_its_judge_run_fails_alone(monkeypatch):
+    """One of three values makes the sandbox raise; the batch judge fails, the single runs judge the other two."""
+    from esbatch.tasks import code_check
+    from esbatch.tasks.code_check import Limits, judge
+
+    real = code_check.judge_program
+
+    def run(program, **k):
+        if "poison" in program:
+            raise SandboxError("the sandbox launcher failed (exit 1): config too large")
+        return SimpleNamespace(ok=True, stdout=program.split("MARK=")[1].split("\n")[0])
+
+    def program(plans, items, marker):  # the judge's verdicts, as it would print them: True for each value
+        return real(plans, items, marker) + f"\nMARK={marker}{json.dumps([True] * len(items))}\n"
+
+    monkeypatch.setattr(code_check, "run_python", run)
+    monkeypatch.setattr(code_check, "judge_program", program)
+    assert judge(_plans(1), [(0, "a"), (0, "poison"), (0, "b")], Limits()) == [True, False, True]
