@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,8 +119,16 @@ def load_series(run: str | Path) -> list[Series]:
     return out
 
 
+NO_RECORD = (
+    "ES runs write it with es.diversity.every > 0 (e.g. --set es.diversity.every=10 --set es.diversity.samples=4; "
+    "it never changes training, so a run can be resumed with it); GRPO runs write it on every generated batch "
+    "(esbatch versions with this analysis)"
+)
+
+
 def collect(runs: list[str | Path]) -> list[Series]:
-    """Every run's series; a run without any diversity record is an error that says how to get one."""
+    """Every run's series that carries diversity records, the others as empty series (``without``); when none
+    does, an error that says how to get them."""
     if not runs:
         raise DiversityInputError("give at least one run folder")
     series = [s for r in runs for s in load_series(r)]
@@ -131,15 +140,15 @@ def collect(runs: list[str | Path]) -> list[Series]:
             s.label = f"{s.label}#{seen[s.label]}"
             for r in s.rows:
                 r["run"] = s.label
-    empty = [s.label for s in series if not s.rows]
-    if empty:
-        raise DiversityInputError(
-            f"no update in {', '.join(empty)} carries a `diversity` record. ES runs write it with es.diversity.every "
-            "> 0 (e.g. --set es.diversity.every=10 --set es.diversity.samples=4; it never changes training, so a "
-            "run can be resumed with it); GRPO runs write it on every generated batch (esbatch versions with this "
-            "analysis)"
-        )
+    if all(not s.rows for s in series):
+        labels = ", ".join(s.label for s in series)
+        raise DiversityInputError(f"no update in {labels} carries a `diversity` record. {NO_RECORD}")
     return series
+
+
+def without(series: list[Series]) -> list[str]:
+    """The runs (or pipeline stages) of ``series`` that carry no diversity record: left out of the tables."""
+    return [s.label for s in series if not s.rows]
 
 
 def write_csv(series: list[Series], path: Path) -> Path:
@@ -169,7 +178,7 @@ def write_markdown(series: list[Series], path: Path) -> Path:
         "| run | algorithm | records | members x prompts x samples | " + " | ".join(FIGURES) + " |",
         "|---|---|---|---|" + "---|" * len(FIGURES),
     ]
-    for s in series:
+    for s in (s for s in series if s.rows):
         r0, r1 = s.rows[0], s.rows[-1]
         cells = []
         for k in FIGURES:
@@ -181,6 +190,8 @@ def write_markdown(series: list[Series], path: Path) -> Path:
             + " | ".join(cells)
             + " |"
         )
+    if missing := without(series):
+        lines += ["", f"Left out, no update carries a `diversity` record: {', '.join(missing)}. {NO_RECORD}."]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -225,6 +236,8 @@ def figure(series: list[Series]) -> Any:
 def analyze(runs: list[str | Path], out: str | Path | None = None) -> dict[str, Path]:
     """Tables and the figure of ``runs`` into ``out`` (default <first run>/analysis/diversity); returns the files."""
     series = collect(runs)
+    if missing := without(series):
+        print(f"warning: left out, no diversity record: {', '.join(missing)} (see diversity.md)", file=sys.stderr)
     folder = Path(out) if out is not None else Path(runs[0]) / "analysis" / "diversity"
     folder.mkdir(parents=True, exist_ok=True)
     return {

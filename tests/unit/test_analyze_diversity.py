@@ -156,3 +156,13 @@ def test_analyze_without_analysis_name_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["analyze", "diversity"])
     assert e.value.code == 2
+
+
+def test_a_run_without_records_is_left_out_and_named_while_the_others_are_analysed(tmp_path, capsys):
+    with_records = _grpo_run(tmp_path / "g", [[0.5, 0.5]])
+    plain = _folder(tmp_path / "plain", "es", [{"t": 0, "metrics": {}}])
+    assert main(["analyze", "diversity", str(with_records), str(plain), "--out", str(tmp_path / "out")]) == 0
+    assert "warning: left out, no diversity record: plain" in capsys.readouterr().err
+    assert [r["run"] for r in _csv(tmp_path / "out" / "diversity.csv")] == ["g"]
+    md = (tmp_path / "out" / "diversity.md").read_text()
+    assert "| g | grpo |" in md and "Left out, no update carries a `diversity` record: plain." in md
