@@ -37,7 +37,7 @@ from esbatch.models import DTYPES, MODELS, load_model_and_tokenizer
 from esbatch.registry import UnknownNameError
 from esbatch.tasks import TASKS
 from esbatch.tasks.verify import ScoringError
-from esbatch.train import stop, train
+from esbatch.train import fingerprint, stop, train
 from esbatch.train.config import ALGORITHMS, TrainConfig
 from esbatch.train.flops import format_accounting
 from esbatch.train.lock import held_env, writer_lock
@@ -89,9 +89,11 @@ def _train_config(args: argparse.Namespace, hold: contextlib.ExitStack) -> tuple
             f"--set {fixed[0]}: cannot change this on resume (the logged updates depend on it); "
             f"start a new run instead. On resume you may set: {', '.join(sorted(RESUME_OVERRIDABLE))}"
         )
+    fingerprint.check(rd, load_run_config(rd.path, args.overrides))  # an edited config: refused, the lock untaken
     if _lead_rank():
         hold.enter_context(writer_lock(rd.path))
     cfg = load_run_config(rd.path, args.overrides)  # a folder from before es.noise: legacy-cpu
+    fingerprint.check(rd, cfg)  # again under the lock, before config.yaml is rewritten
     if args.overrides and _lead_rank():  # atomically: the other ranks of a torchrun job read it at the same moment
         tmp = rd.config.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(cfg.to_yaml())

@@ -26,7 +26,7 @@ from esbatch.config.eval import eval_config_from_dict
 from esbatch.es.config import ESConfig
 from esbatch.launch.evals import SOURCE_FILE, is_eval_key, source_record
 from esbatch.launch.state import SweepDir, disk_state
-from esbatch.train import stop, train, watchdog
+from esbatch.train import fingerprint, stop, train, watchdog
 from esbatch.train.config import TrainConfig
 from esbatch.train.lock import writer_lock
 from esbatch.train.rundir import RunDir, RunFolderError
@@ -135,6 +135,7 @@ def run_task(sweep_dir: str | Path, key: str, progress: bool = False) -> dict[st
             }
         if resume:
             keep_recorded_noise(cfg, rd.path)
+            fingerprint.check(rd, cfg)  # a plan that changed what the updates depend on: refused, nothing written
             if lead:
                 rd.config.write_text(cfg.to_yaml())  # only budgets/bookkeeping can differ: the key pins the rest
         print(f"esbatch task: sweep {meta['name']} run {key} ({entry['label']}) resume={resume}", flush=True)

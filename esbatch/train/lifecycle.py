@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import resource
 import socket
+import sys
 import time
 from abc import ABC, abstractmethod
 from contextlib import ExitStack
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from esbatch.tracking import MLflowTracker, NullTracker, default_tracking_uri, parent_tag, run_tags
-from esbatch.train import stop
+from esbatch.train import fingerprint, stop
 from esbatch.train.config import Algorithm, TrainConfig
 from esbatch.train.lock import writer_lock
 from esbatch.train.ranks import Ranks, collective_timeout_min, init_ranks
@@ -128,6 +129,7 @@ class RunSession:
         self.run_name, self.tags = run_name or cfg.run.name, dict(tags or {})
         self.uri = cfg.tracking.uri or default_tracking_uri(cfg.run.output_dir)
         self.tracker: Any = None
+        self.changes: dict[str, tuple[Any, Any]] | None = {}  # allowed config changes of this resume
         self.watchdog: Watchdog | None = None
         self.run_id: str | None = None
         self.t_start = time.perf_counter()
@@ -167,6 +169,7 @@ class RunSession:
             raise FileNotFoundError(f"{rd.path}: no run to resume here (no {RunDir.CONFIG})")
         if self.resume:
             rd.read_meta()  # a damaged run.json is named now, not after the model has loaded
+            self.changes = fingerprint.check(rd, self.cfg)  # a changed config is refused by every rank, at once
             if self.logs_updates:
                 rd.check_resume()  # every rank reads the same files: all refuse together, before anything is cut
         self.ranks.barrier()  # every rank has looked before rank 0 writes
@@ -178,8 +181,17 @@ class RunSession:
                 rd.log.unlink(missing_ok=True)
             if not self.resume:
                 rd.config.write_text(self.cfg.to_yaml())
+                fingerprint.record(rd, self.cfg)
             else:
                 rd.repair_log()  # only a torn last line is left to cut: check_resume refused anything else
+                if self.changes is None:
+                    print(
+                        f"note: {rd.path} predates config fingerprints: resumed without checking its config; it is "
+                        f"recorded now ({fingerprint.FILE}) and checked from the next resume on",
+                        file=sys.stderr,
+                    )
+                if self.changes != {}:
+                    fingerprint.record(rd, self.cfg)
         self.ranks.barrier()  # rank 0 has written the folder; every rank reads the same records
         if self.cfg.run.threads:
             import torch
@@ -202,6 +214,10 @@ class RunSession:
             **self.tags,
         }
         previous = self.rd.read_meta().get("mlflow_run_id") if self.resume else None
+        resumes = self.rd.read_meta().get("resumes", []) if self.changes else []
+        if self.changes:  # budgets and bookkeeping changed on this resume: MLflow keeps its params, so a tag
+            resumes = [*resumes, {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changed": self.changes}]
+            tags[f"resume.{len(resumes)}.changed"] = fingerprint.describe(self.changes)
         self.run_id = self.tracker.start(self.run_name, cfg.params(), tags, run_id=previous)
         self.rd.write_meta(
             mlflow_run_id=self.run_id,
@@ -211,6 +227,7 @@ class RunSession:
             status="running",
             host=socket.gethostname(),
             pid=os.getpid(),
+            **({"resumes": resumes} if self.changes else {}),
             **meta,
         )
         if previous is None:

@@ -128,6 +128,13 @@ def writer_lock(folder: str | Path, what: str = "run folder") -> Iterator[None]:
         raw = os.pread(fd, 4096, 0).decode(errors="replace")
         os.close(fd)
         raise FolderBusy(busy_message(path, raw, what)) from None
+    except OSError as e:  # ENOLCK, EOPNOTSUPP: a file system mounted without flock (Lustre noflock, NFS nolock)
+        os.close(fd)
+        raise RunFolderError(
+            f"{path}: cannot take its writer lock ({path / LOCK_FILE}: {e.strerror or e}). The file system does not "
+            "support flock here: on Lustre mount with -o flock, on NFS without nolock/local_lock "
+            "(docs/architecture.md, One writer per folder), or put the runs on a file system that does."
+        ) from None
     except BaseException:
         os.close(fd)
         raise

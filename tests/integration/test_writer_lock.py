@@ -6,6 +6,7 @@ its stdout and then blocks reading its stdin until the test closes it (or kills 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -17,8 +18,10 @@ from pathlib import Path
 import pytest
 
 from esbatch.config import config_from_dict
+from esbatch.train import lock
 from esbatch.train.lifecycle import RunSession
 from esbatch.train.lock import LOCK_FILE, FolderBusy, holds, writer_lock
+from esbatch.train.rundir import RunFolderError
 
 HOLDER = """
 import sys
@@ -124,3 +127,19 @@ def test_the_run_session_holds_the_run_folder_while_open(tmp_path, tiny_model_di
         assert {f.name: f.read_bytes() for f in (tmp_path / "r").iterdir()} == before
     finally:
         release(a)
+
+
+@pytest.mark.parametrize("err", [errno.ENOLCK, errno.EOPNOTSUPP])
+def test_a_file_system_without_flock_is_a_clear_error_and_no_lock_is_left_held(tmp_path, monkeypatch, err):
+    """Lustre mounted noflock answers flock with an error (ENOLCK/EOPNOTSUPP); that cannot be mounted here, so
+    flock is replaced by one that raises as it does."""
+
+    def no_flock(fd, op):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(lock.fcntl, "flock", no_flock)
+    with pytest.raises(RunFolderError, match=r"cannot take its writer lock .*-o flock") as e:
+        with writer_lock(tmp_path / "run"):
+            pass
+    assert not isinstance(e.value, FolderBusy) and str(tmp_path / "run") in str(e.value)
+    assert not holds(tmp_path / "run")
