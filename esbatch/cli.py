@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import esbatch
+from esbatch import durable
 from esbatch.backends import BACKENDS
 from esbatch.config import RESUME_OVERRIDABLE, ConfigError, load_config, load_run_config
 from esbatch.config.aggregate import parse_specs
@@ -95,9 +96,7 @@ def _train_config(args: argparse.Namespace, hold: contextlib.ExitStack) -> tuple
     cfg = load_run_config(rd.path, args.overrides)  # a folder from before es.noise: legacy-cpu
     fingerprint.check(rd, cfg)  # again under the lock, before config.yaml is rewritten
     if args.overrides and _lead_rank():  # atomically: the other ranks of a torchrun job read it at the same moment
-        tmp = rd.config.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(cfg.to_yaml())
-        os.replace(tmp, rd.config)
+        durable.write_text(rd.config, cfg.to_yaml())
     return cfg, rd.path
 
 
@@ -592,8 +591,8 @@ def cmd_diagnose_kappa(args: argparse.Namespace) -> int:
     from esbatch.diagnose.report import write_outputs
 
     paths = write_outputs(cells, out)
-    (out / "config.yaml").write_text(cfg.to_yaml())
-    (out / "protocol.json").write_text(json.dumps(dataclasses.asdict(proto), indent=2) + "\n")
+    durable.write_text(out / "config.yaml", cfg.to_yaml())
+    durable.write_text(out / "protocol.json", json.dumps(dataclasses.asdict(proto), indent=2) + "\n")
     print(paths["md"].read_text())
     print(f"diagnostic folder: {out}  (kappa.csv, kappa.md, kappa.png, observations.csv)")
     return 0

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from esbatch import durable
 from esbatch.backends import BACKENDS
 from esbatch.schema import setting
 from esbatch.train import stop
@@ -139,7 +140,7 @@ class Pipeline(Algorithm):
         """Run the stages in order; returns a summary with each stage's folder and MLflow run."""
         with RunSession(cfg, run_dir, resume=resume, run_name=run_name, tags=tags, logs_updates=False) as run:
             if resume:  # budgets may have changed (RESUME_OVERRIDABLE): the folder keeps the current config
-                run.rd.config.write_text(cfg.to_yaml())
+                durable.write_text(run.rd.config, cfg.to_yaml())
             p = cfg.section(PipelineConfig)
             total = p.updates
             run.tags["pipeline.stages"] = "->".join(p.stages)
@@ -164,7 +165,7 @@ def _ids(rd: RunDir) -> dict[str, Any]:
 def _run_stage(run: RunSession, rd: RunDir, sc: TrainConfig, done_before: int, progress: bool) -> None:
     """One stage as an `esbatch train` subprocess; its progress flows into the pipeline's run.json."""
     stage_yaml = run.rd.path / f"{rd.path.name}.yaml"
-    stage_yaml.write_text(sc.to_yaml())
+    durable.write_text(stage_yaml, sc.to_yaml())
     args = ["--resume", str(rd.path)] if rd.exists() else [str(stage_yaml)]
     cmd = [sys.executable, "-m", "esbatch", "train", *args] + ([] if progress else ["--no-progress"])
     print(f"pipeline stage {rd.path.name}: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from esbatch import durable
 from esbatch.aggregate.results import RunResult
 from esbatch.aggregate.smoothing import debiased_ema, local_std
 from esbatch.aggregate.tables import Section, finish, md_table, write_csv
@@ -694,7 +695,7 @@ def write_report(
     text = _index_markdown(runs, [a for a in analyses if not isinstance(a, EVAL_KINDS)], sections, title)
     if evals is not None:
         text += _evals_markdown(evals)
-    index.write_text(text, encoding="utf-8")
+    durable.write_text(index, text, encoding="utf-8")
     return [p for s in sections for p in s.files] + [index]
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from esbatch import durable
+
 
 def md_escape(s: Any) -> str:
     return str(s).replace("|", "\\|").replace("\n", " ")
@@ -37,7 +39,7 @@ def csv_cell(v: Any) -> str:
 
 
 def write_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> Path:
-    with path.open("w", newline="", encoding="utf-8") as fh:
+    with durable.open_text(path, newline="", encoding="utf-8") as fh:
         w = csv.writer(fh)
         w.writerow(header)
         w.writerows([csv_cell(c) for c in row] for row in rows)
@@ -55,5 +57,5 @@ class Section:
 
 def finish(a: Any, out_dir: Path, heading: str, body: str, files: list[Path]) -> Section:
     md_path = out_dir / f"{a.name}.md"
-    md_path.write_text(f"# {heading}\n\n{body}\n", encoding="utf-8")
+    durable.write_text(md_path, f"# {heading}\n\n{body}\n", encoding="utf-8")
     return Section(a, [*files, md_path], body)

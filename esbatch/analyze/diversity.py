@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from esbatch import durable
 from esbatch.metrics import diversity_metrics
 from esbatch.train.rundir import RunDir
 
@@ -152,7 +153,7 @@ def without(series: list[Series]) -> list[str]:
 
 
 def write_csv(series: list[Series], path: Path) -> Path:
-    with open(path, "w", newline="") as f:
+    with durable.open_text(path, newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         for s in series:
@@ -192,7 +193,7 @@ def write_markdown(series: list[Series], path: Path) -> Path:
         )
     if missing := without(series):
         lines += ["", f"Left out, no update carries a `diversity` record: {', '.join(missing)}. {NO_RECORD}."]
-    path.write_text("\n".join(lines) + "\n")
+    durable.write_text(path, "\n".join(lines) + "\n")
     return path
 
 

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from esbatch import durable
 from esbatch.config import load_config
 from esbatch.eval.center import newest_center, newest_t
 from esbatch.models import SafetensorsReader, weight_files
@@ -322,7 +323,7 @@ def _md(rows: list[dict[str, Any]]) -> str:
 
 
 def _csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    with open(path, "w", newline="") as f:
+    with durable.open_text(path, newline="") as f:
         if rows:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
@@ -345,12 +346,12 @@ def write_outputs(s: DriftStats, folder: Path, all_stats: list[DriftStats], refe
     folder.mkdir(parents=True, exist_ok=True)
     rows = table4_rows(all_stats, reference)
     _csv(folder / "table4.csv", rows)
-    (folder / "table4.md").write_text(_md(rows))
+    durable.write_text(folder / "table4.md", _md(rows))
     _csv(folder / "histogram.csv", histogram_rows(s))
     _csv(folder / "topk.csv", s.top)
     grouped = sorted(s.top_by_type_layer().items(), key=lambda kv: (-kv[1], kv[0][0], kv[0][1] or -1))
     _csv(folder / "topk_by_type_layer.csv", [{"type": k, "layer": lay, "count": n} for (k, lay), n in grouped])
-    (folder / "drift.json").write_text(json.dumps(s.to_json(), indent=1))
+    durable.write_text(folder / "drift.json", json.dumps(s.to_json(), indent=1))
     by_type: dict[str, int] = {}
     for r in s.top:
         by_type[r["type"]] = by_type.get(r["type"], 0) + 1
@@ -367,7 +368,7 @@ def write_outputs(s: DriftStats, folder: Path, all_stats: list[DriftStats], refe
         "Files: table4.csv/.md, histogram.csv (nonzero |delta| per type, bins (low, high]), topk.csv, drift.json, "
         "histogram.png, topk_heatmap.png, compare.png.\n",
     ]
-    (folder / "summary.md").write_text("\n".join(md))
+    durable.write_text(folder / "summary.md", "\n".join(md))
     _plot_histograms(s, folder / "histogram.png")
     _plot_heatmap(s, folder / "topk_heatmap.png")
     _plot_compare(all_stats, folder / "compare.png")

@@ -16,12 +16,12 @@ from __future__ import annotations
 import csv
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import yaml
 
+from esbatch import durable
 from esbatch.analyze.drift import check_taus, resolve_run
 from esbatch.config import load_config
 from esbatch.eval.center import newest_center
@@ -157,8 +157,8 @@ def _threshold_run(rw: Any, taus: list[float], base_dtype: str | None) -> list[P
             "source_run": str(rw.rd.path.resolve()),
             "base_dtype": base_dtype or rw.base_dtype,
         }
-        (folder / S_TAU).write_text(json.dumps(s, indent=1))
-        shutil.copyfile(rw.rd.config, folder / RunDir.CONFIG)
+        durable.write_text(folder / S_TAU, json.dumps(s, indent=1))
+        durable.write_bytes(folder / RunDir.CONFIG, rw.rd.config.read_bytes())
         keep = {k: rw.meta[k] for k in ("mlflow_run_id", "tracking_uri") if k in rw.meta}
         RunDir(folder).write_meta(**keep, algorithm=rw.algorithm, status="thresholded", tau=tau, done=rw.t)
     return folders
@@ -260,7 +260,7 @@ def plot_threshold_curve(eval_dirs: list[str | Path], out: str | Path, task: str
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     table = out.with_suffix(".csv")
-    with open(table, "w", newline="") as f:
+    with durable.open_text(table, newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(points[0]))
         w.writeheader()
         w.writerows(sorted(points, key=lambda p: (p["model"], p["s_tau"])))

@@ -7,6 +7,7 @@ import csv
 import math
 from pathlib import Path
 
+from esbatch import durable
 from esbatch.diagnose.protocol import Cell
 
 COLUMNS = (
@@ -56,12 +57,12 @@ def write_outputs(cells: list[Cell], out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     table = rows(cells)
     paths = {k: out / n for k, n in (("csv", "kappa.csv"), ("md", "kappa.md"), ("obs", "observations.csv"))}
-    with paths["csv"].open("w", newline="") as f:
+    with durable.open_text(paths["csv"], newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(table)
-    paths["md"].write_text(markdown(table, cells))
-    with paths["obs"].open("w", newline="") as f:
+    durable.write_text(paths["md"], markdown(table, cells))
+    with durable.open_text(paths["obs"], newline="") as f:
         w = csv.writer(f)
         w.writerow(["objective", "coupling", "sigma", "item", "seed", "direction", "plus", "center", "minus"])
         for c in cells:

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from esbatch import durable
 from esbatch.train.lock import writer_lock
 from esbatch.train.rundir import RunDir, RunFolderError
 
@@ -58,7 +59,8 @@ def _write_center(rd: RunDir, cfg: Any, t: int, target: Path) -> Path:
     source = stored_center(rd, t, cfg.algorithm)
     if source.resolve() != target.resolve():
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, target)
+        with durable.replacing(target) as tmp:
+            shutil.copyfile(source, tmp)
     return target
 
 

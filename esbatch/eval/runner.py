@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from esbatch import durable
 from esbatch.backends import BACKENDS
 from esbatch.config import flatten, load_run_config
 from esbatch.config.eval import EvalConfig, EvalTask
@@ -300,7 +301,7 @@ def write_tables(
 
     avg, n_avg = task_average(results, cols)
     problems = sum(int(r.get("problems", 0)) for r in results.values())
-    with open(ed.path / "table.csv", "w", newline="") as f:
+    with durable.open_text(ed.path / "table.csv", newline="") as f:
         w = csv.writer(f)
         w.writerow(["task", *cols, "problems"])
         for name, r in [*results.items(), ("Average", avg)]:
@@ -337,7 +338,7 @@ def write_tables(
         "Average: the mean over the tasks that have the column; (n=k) marks a column only k tasks have "
         "(F1: HotpotQA).",
     ]
-    (ed.path / "table.md").write_text("\n".join(lines) + "\n")
+    durable.write_text(ed.path / "table.md", "\n".join(lines) + "\n")
     return avg, n_avg
 
 
@@ -356,7 +357,7 @@ def summarize(
     if any("f1" in r for r in results.values()):
         cols.insert(cols.index("entropy"), "f1")
     average, average_n = write_tables(ed, results, cols, f"{cfg.name}: {source or cfg.model.name}")
-    with open(ed.path / "passk.csv", "w") as f:
+    with durable.open_text(ed.path / "passk.csv") as f:
         f.write("task,k,pass_at_k\n")
         for label, curve in curves.items():
             for k, v in enumerate(curve, 1):
@@ -369,7 +370,7 @@ def summarize(
         "n": cfg.sampling.n,
         "name": cfg.name,
     }
-    (ed.path / "metrics.json").write_text(json.dumps(summary, indent=1))
+    durable.write_text(ed.path / "metrics.json", json.dumps(summary, indent=1))
     return summary
 
 
@@ -379,7 +380,7 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, recompute: bool = False)
     ed = EvalDir(Path(cfg.output_dir) / cfg.name)
     ed.path.mkdir(parents=True, exist_ok=True)
     if not recompute:  # --recompute reads the folder's own config and leaves its inputs as they are
-        ed.config.write_text(_yaml(cfg.to_dict()))
+        durable.write_text(ed.config, _yaml(cfg.to_dict()))
     throughput: dict[str, dict[str, float]] = {}
     rescored = None
     t0 = time.perf_counter()
@@ -403,12 +404,12 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, recompute: bool = False)
         generation_s=gs,
         tokens_per_s=tok / gs if gs else None,
     )
-    (ed.path / "metrics.json").write_text(json.dumps(summary, indent=1))
+    durable.write_text(ed.path / "metrics.json", json.dumps(summary, indent=1))
     from esbatch.eval.plots import plot_passk
 
     plot_passk([ed.path], ed.path / "passk.png")
     summary["mlflow_run_id"] = log_to_mlflow(cfg, ed, src, summary)
-    (ed.path / "metrics.json").write_text(json.dumps(summary, indent=1))
+    durable.write_text(ed.path / "metrics.json", json.dumps(summary, indent=1))
     return summary
 
 
@@ -445,7 +446,7 @@ def log_to_mlflow(cfg: EvalConfig, ed: EvalDir, src: WeightsSource, summary: dic
         tags,
         run_id=prev.get("run_id") if prev.get("uri") == uri else None,
     )
-    meta_path.write_text(json.dumps({"uri": uri, "run_id": run_id}))
+    durable.write_text(meta_path, json.dumps({"uri": uri, "run_id": run_id}))
 
     def name(label: str, col: str) -> str:  # MLflow allows no '@': pass@16 -> GSM8K/pass_at_16
         return re.sub(r"[^\w\-. :/]", "_", f"{label}/{col.replace('@', '_at_')}")

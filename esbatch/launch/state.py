@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from esbatch import durable
 from esbatch.config.run import load_config
 from esbatch.launch.evals import is_eval_key
 from esbatch.tracking import MLflowTracker, run_tags
@@ -65,9 +65,7 @@ class SweepDir:
             fcntl.flock(lock, fcntl.LOCK_EX)
             meta = self.read()
             yield meta
-            tmp = self.meta_path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(meta, indent=1))
-            os.replace(tmp, self.meta_path)
+            durable.write_text(self.meta_path, json.dumps(meta, indent=1))
 
     def read(self) -> dict[str, Any]:
         return read_json_object(

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from esbatch import durable
 from esbatch.config.launcher import LauncherProfile, mem_mb
 from esbatch.launch.base import LAUNCHERS, launcher_for
 from esbatch.launch.disk import sweep_disk
@@ -72,7 +73,7 @@ def _eval_entry(e: Any) -> dict[str, Any]:
 
 def _write_if_changed(p: Any, text: str) -> None:
     if not p.exists() or p.read_text() != text:
-        p.write_text(text)
+        durable.write_text(p, text)
 
 
 def scheduler_states(sd: SweepDir, query: bool = True) -> dict[str, tuple[str, str | None]]:

@@ -21,6 +21,7 @@ import submitit
 import yaml
 from submitit.helpers import Checkpointable
 
+from esbatch import durable
 from esbatch.config import load_run_config
 from esbatch.config.eval import eval_config_from_dict
 from esbatch.es.config import ESConfig
@@ -86,7 +87,7 @@ def run_eval_task(sd: SweepDir, key: str, progress: bool = False) -> dict[str, A
             ck, written = ensure_thresholded(sd.run_dir(entry["source"]).path, entry["tau"], base_dtype)
             print(f"esbatch task: {'wrote' if written else 'reusing the intact'} {ck}", flush=True)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / SOURCE_FILE).write_text(json.dumps({"run": entry["source"], "updates": updates}))
+        durable.write_text(folder / SOURCE_FILE, json.dumps({"run": entry["source"], "updates": updates}))
     elif sd.read().get("tracking") != "offline":
         data.setdefault("tracking", {})["parent_run_id"] = sd.ensure_parent_run()
     cfg = eval_config_from_dict(data, str(sd.eval_plan_path(key)))
@@ -137,7 +138,7 @@ def run_task(sweep_dir: str | Path, key: str, progress: bool = False) -> dict[st
             keep_recorded_noise(cfg, rd.path)
             fingerprint.check(rd, cfg)  # a plan that changed what the updates depend on: refused, nothing written
             if lead:
-                rd.config.write_text(cfg.to_yaml())  # only budgets/bookkeeping can differ: the key pins the rest
+                durable.write_text(rd.config, cfg.to_yaml())  # only budgets/bookkeeping differ: the key pins the rest
         print(f"esbatch task: sweep {meta['name']} run {key} ({entry['label']}) resume={resume}", flush=True)
         return train(cfg, rd.path, resume=resume, progress=progress, run_name=entry["label"], tags=tags)
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-from esbatch import schema
+from esbatch import durable, schema
 from esbatch.schema import flatten
 from esbatch.train.config import ALGORITHMS, TrainConfig
 from esbatch.train.rundir import RunDir, RunFolderError
@@ -57,9 +56,7 @@ def record(rd: RunDir, cfg: TrainConfig) -> None:
     """Write the fingerprint of ``cfg`` (atomically); the run folder's writer only."""
     values = flat_values(cfg)
     p = path(rd)
-    tmp = p.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"sha256": digest(values, resume_overridable()), "values": values}, indent=1))
-    os.replace(tmp, p)
+    durable.write_text(p, json.dumps({"sha256": digest(values, resume_overridable()), "values": values}, indent=1))
 
 
 def _defaults(cfg: TrainConfig) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, ClassVar
 
+from esbatch import durable
 from esbatch.tracking import MLflowTracker, NullTracker, default_tracking_uri, parent_tag, run_tags
 from esbatch.train import fingerprint, stop
 from esbatch.train.config import Algorithm, TrainConfig
@@ -180,7 +181,7 @@ class RunSession:
                 rd.eval_log.unlink(missing_ok=True)
                 rd.log.unlink(missing_ok=True)
             if not self.resume:
-                rd.config.write_text(self.cfg.to_yaml())
+                durable.write_text(rd.config, self.cfg.to_yaml())
                 fingerprint.record(rd, self.cfg)
             else:
                 rd.repair_log()  # only a torn last line is left to cut: check_resume refused anything else

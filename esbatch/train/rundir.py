@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from esbatch import durable
+
 if TYPE_CHECKING:  # torch is imported lazily: `esbatch status` reads run folders without it
     import torch
 
@@ -240,11 +242,8 @@ class RunDir:
 
         path = path or self.center
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"t": str(t)})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with durable.replacing(path) as tmp:
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"t": str(t)})
 
     def snapshot(self, t: int) -> Path:
         """Where the center after update ``t`` is kept (snapshots/center-<t>.safetensors)."""
@@ -260,13 +259,12 @@ class RunDir:
     def link_center(self, source: Path) -> None:
         """Make ``source`` (a stage's center) this folder's center too: a hard link, or a copy across filesystems."""
 
-        tmp = self.center.with_suffix(f".tmp{os.getpid()}")
-        tmp.unlink(missing_ok=True)
-        try:
-            os.link(source, tmp)
-        except OSError:
-            shutil.copyfile(source, tmp)
-        os.replace(tmp, self.center)
+        with durable.replacing(self.center) as tmp:
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(source, tmp)
+            except OSError:
+                shutil.copyfile(source, tmp)
 
     def write_export(self, save: Callable[[Path], None], t: int) -> None:
         """Write final_model/ by ``save(folder)`` (e.g. save_pretrained) into a temporary folder, record the update
@@ -336,9 +334,7 @@ class RunDir:
 
     def write_meta(self, **fields: Any) -> None:
         meta = {**self.read_meta(), **fields}
-        tmp = self.meta.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(meta, indent=2))
-        os.replace(tmp, self.meta)
+        durable.write_text(self.meta, json.dumps(meta, indent=2))
 
     def progress(self) -> int:
         """Updates done: run.json's count, or the log's complete lines for folders written before it was kept."""
