@@ -28,7 +28,7 @@ import yaml
 from esbatch.aggregate.tables import finish, md_table, write_csv
 from esbatch.analyze.threshold import S_TAU, tau_dir
 from esbatch.config.aggregate import parse_specs
-from esbatch.launch.evals import THRESHOLD_PREFIX, eval_done, source_record
+from esbatch.launch.evals import SOURCE_FILE, THRESHOLD_PREFIX, eval_done, evaluated_updates
 from esbatch.launch.state import SweepDir
 from esbatch.metrics import pass_at_k, problem_metrics
 from esbatch.registry import did_you_mean
@@ -168,8 +168,10 @@ def _threshold_point(
         try:
             s = json.loads((tau_dir(sd.run_dir(e["source"]).path, tau) / S_TAU).read_text())
             s_tau = float(s["s_tau"])
-            evaluated = source_record(sd.eval_dir(e["key"])).get("updates")
-            if evaluated is not None and s.get("updates") != evaluated:
+            evaluated = evaluated_updates(sd.eval_dir(e["key"]))
+            if evaluated == "damaged":
+                why = f"its eval's {SOURCE_FILE} cannot be read, so which center it scored is unknown: re-run the sweep"
+            elif evaluated is not None and s.get("updates") != evaluated:
                 why = f"its {S_TAU} is of update {s.get('updates')}, the eval of update {evaluated}: re-run the sweep"
         except (OSError, ValueError, KeyError, TypeError):
             s_tau, why = None, f"no readable {S_TAU} (its checkpoint was not written yet)"
@@ -253,7 +255,6 @@ def heldout_mean(e: EvalEntry, tasks: list[str], metric: str) -> tuple[float | N
 
 
 def write_eval_table(es: EvalSet, a: Any, out_dir: Path) -> Any:
-
     tasks, held = es.tasks_of(a)
     csv_rows, parts = [], []
     for panel, entries in _groups(es, a):

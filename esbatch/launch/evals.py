@@ -25,10 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from esbatch.analyze.threshold import tau_dir
 from esbatch.config.eval import eval_config_from_dict
 from esbatch.config.loader import find, read_yaml
 from esbatch.registry import did_you_mean
 from esbatch.schema import ConfigError, deep_merge
+from esbatch.train.rundir import RunFolderError
 
 BASE_PREFIX, RUN_PREFIX, THRESHOLD_PREFIX = "base-", "ev-", "thr-"
 SOURCE_FILE = "source.json"  # which center an eval of a trained run evaluated: {run, updates}
@@ -160,7 +162,6 @@ def plan_threshold(
 ) -> list[PlannedEval]:
     """Per selected run: the tau-0 anchor (``planned``'s eval of the run when it has the same config: marked, not
     planned again) and one eval per tau of ``runs/<key>/thresholded/tau-<tau>/``, in tau order."""
-    from esbatch.analyze.threshold import tau_dir
 
     methods = list(dict.fromkeys(str(r.point["method"]) for r in runs if "method" in r.point))
     wanted = [str(m) for m in spec.methods]
@@ -241,11 +242,31 @@ def eval_progress(folder: Path) -> int:
     return n
 
 
+class DamagedSource(RunFolderError):
+    """An eval folder's source record cannot be read: which center it evaluated is unknown."""
+
+
 def source_record(folder: Path) -> dict[str, Any]:
+    """What the eval in ``folder`` evaluated: {"run": key, "updates": t}; {} when it has no record (a base-model
+    eval, or one stopped before it began). A record that cannot be read raises ``DamagedSource`` naming it."""
+    path = folder / SOURCE_FILE
     try:
-        return json.loads((folder / SOURCE_FILE).read_text())
-    except (OSError, ValueError):
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as e:
+        raise DamagedSource(f"{path}: cannot be read ({e})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("updates", 0), int):
+        raise DamagedSource(f"{path}: not an eval source record (want {{'run': key, 'updates': int}})")
+    return record
+
+
+def evaluated_updates(folder: Path) -> int | None | str:
+    """The source run's update the eval in ``folder`` evaluated; None without a record, "damaged" when unknown."""
+    try:
+        return source_record(folder).get("updates")
+    except DamagedSource:
+        return "damaged"
 
 
 def eval_disk_state(folder: Path, source_t: int | None, source_finished: bool) -> str:
@@ -254,8 +275,8 @@ def eval_disk_state(folder: Path, source_t: int | None, source_finished: bool) -
     ``source_t`` is the trained run's updates done now (None for a base model)."""
     if not folder.exists():
         return "pending"
-    if source_t is not None and source_record(folder).get("updates") not in (None, source_t):
-        return "stale"
+    if source_t is not None and evaluated_updates(folder) not in (None, source_t):
+        return "stale"  # also a damaged record: which center it evaluated is unknown, so it is evaluated again
     if eval_done(folder):
         return "finished" if source_t is None or source_finished else "stale"
     return "interrupted"

@@ -22,10 +22,12 @@ import yaml
 from submitit.helpers import Checkpointable
 
 from esbatch import durable
+from esbatch.analyze.threshold import ensure_thresholded
 from esbatch.config import load_run_config
 from esbatch.config.eval import eval_config_from_dict
 from esbatch.es.config import ESConfig
-from esbatch.launch.evals import SOURCE_FILE, is_eval_key, source_record
+from esbatch.eval.runner import evaluate
+from esbatch.launch.evals import SOURCE_FILE, evaluated_updates, is_eval_key
 from esbatch.launch.state import SweepDir, disk_state
 from esbatch.train import fingerprint, stop, train, watchdog
 from esbatch.train.config import TrainConfig
@@ -68,7 +70,6 @@ def run_eval_task(sd: SweepDir, key: str, progress: bool = False) -> dict[str, A
     An eval folder that evaluated an older center of its run (trained further since) is moved aside to
     ``<key>.at<updates>``, never mixed with the new samples. Base-model evals nest under the sweep's run. An eval
     of a threshold point (tau > 0) first writes its thresholded checkpoint of the run, or reuses an intact one."""
-    from esbatch.eval.runner import evaluate
 
     entry = next((e for e in sd.read().get("evals", []) if e["key"] == key), None)
     if entry is None:
@@ -77,12 +78,12 @@ def run_eval_task(sd: SweepDir, key: str, progress: bool = False) -> dict[str, A
     folder = sd.eval_dir(key)
     if entry.get("source"):
         updates = sd.run_dir(entry["source"]).progress()
-        old = source_record(folder).get("updates")
-        if old not in (None, updates):
-            folder.rename(folder.with_name(f"{key}.at{old}"))
+        old = evaluated_updates(folder)
+        if old not in (None, updates):  # kept aside, never mixed with samples of another center
+            aside = folder.with_name(f"{key}.{'damaged' if old == 'damaged' else f'at{old}'}")
+            print(f"esbatch task: {folder} scored update {old}, the run is at {updates}: moved to {aside}", flush=True)
+            folder.rename(aside)
         if entry.get("tau"):  # a point of the threshold curve: its checkpoint of the run's final center first
-            from esbatch.analyze.threshold import ensure_thresholded
-
             base_dtype = (sd.read().get("threshold") or {}).get("base_dtype")
             ck, written = ensure_thresholded(sd.run_dir(entry["source"]).path, entry["tau"], base_dtype)
             print(f"esbatch task: {'wrote' if written else 'reusing the intact'} {ck}", flush=True)

@@ -103,3 +103,11 @@ def test_a_sweep_trains_then_evaluates_every_final_and_base_model(tmp_path, tiny
         if e["source"]:
             assert json.loads((sd / "evals" / e["key"] / "source.json").read_text())["updates"] == 3
             assert (sd / "evals" / f"{e['key']}.at2" / "metrics.json").exists()
+
+    # a damaged source.json: which center that eval scored is unknown, so it is redone; the old one kept aside
+    (sd / "evals" / ev / "source.json").write_text('{"run": ')
+    assert "1 stale" in run_esbatch("status", str(sd)).stdout
+    p = run_esbatch("sweep", str(path), "--set", "es.updates=3", timeout=1800)
+    assert "submitting 0 run(s)" in p.stdout and "and 1 eval(s)" in p.stdout, p.stdout
+    assert (sd / "evals" / f"{ev}.damaged" / "metrics.json").exists()
+    assert json.loads((sd / "evals" / ev / "source.json").read_text())["updates"] == 3
