@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from esbatch import durable
+from esbatch.aggregate.evals import WRITERS
 from esbatch.aggregate.results import RunResult
 from esbatch.aggregate.smoothing import debiased_ema, local_std
 from esbatch.aggregate.tables import Section, finish, md_table, write_csv
@@ -680,8 +681,6 @@ def write_report(
     sections = []
     for a in analyses:
         if isinstance(a, EVAL_KINDS):
-            from esbatch.aggregate.evals import WRITERS
-
             sections.append(WRITERS[a.kind](evals, a, out_dir))
         elif isinstance(a, ScalingAnalysis):
             sections.append(write_scaling(runs, a, out_dir))

@@ -15,7 +15,7 @@ import torch
 
 from esbatch.backends.base import ESBackend, Generation, Generator, SamplingParams, UpdateStats
 from esbatch.backends.config import ESSetup
-from esbatch.models import ModelConfig
+from esbatch.models import ModelConfig, load_model_and_tokenizer, load_weights
 from esbatch.perturb import DEFAULT_NOISE, weights_for
 from esbatch.perturb.update import UpdateSpec
 
@@ -159,8 +159,6 @@ class HFBackend(HFGenerator, ESBackend):
 
     @classmethod
     def for_es(cls, setup: ESSetup) -> HFBackend:
-        from esbatch.models import load_model_and_tokenizer
-
         m = setup.model
         model, tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, m.dtype, m.device)
         backend = cls(model, tok, **cls.es_options(setup))
@@ -183,8 +181,6 @@ class HFBackend(HFGenerator, ESBackend):
 
     @classmethod
     def for_inference(cls, model: ModelConfig, center: Path | None, batch_size: int) -> HFGenerator:
-        from esbatch.models import load_model_and_tokenizer, load_weights
-
         lm, tok = load_model_and_tokenizer(model.name, model.gguf_file, model.revision, model.dtype, model.device)
         if center is not None:
             load_weights(lm, center)

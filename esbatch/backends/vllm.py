@@ -39,6 +39,8 @@ from esbatch.backends.base import (
 )
 from esbatch.backends.config import ESSetup
 from esbatch.backends.vllm_rpc import WorkerCall, check_worker
+from esbatch.backends.vllm_worker import ESWorkerExtension
+from esbatch.models import load_weights, model_path
 from esbatch.perturb.noise import DEFAULT_NOISE
 from esbatch.perturb.update import UpdateSpec
 
@@ -76,7 +78,6 @@ def _env(**values: str | None):  # noqa: ANN202
 def _extension_qualname(name: str) -> str:
     """vLLM's spelling of a worker extension ("package.module:Class" -> "package.module.Class"), checked here
     (the class, and its RPC methods against the table) so a wrong name fails before an engine starts."""
-    from esbatch.backends.vllm_worker import ESWorkerExtension
 
     module, _, attr = name.partition(":")
     try:
@@ -241,8 +242,6 @@ class VLLMBackend(ESBackend):
 
     @classmethod
     def for_es(cls, setup: ESSetup) -> VLLMBackend:
-        from esbatch.models import model_path
-
         m = setup.model
         path, rev = model_path(m.name, m.gguf_file, m.revision)
         backend = cls(path, revision=rev, **cls.es_options(setup))
@@ -435,7 +434,6 @@ class VLLMBackend(ESBackend):
 
         if self.perturbed:
             raise RuntimeError("save_pretrained() on perturbed weights; call restore() first")
-        from esbatch.models import load_weights
 
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.dtype))
         load_weights(model, self.center_state_dict(), "the vLLM center")

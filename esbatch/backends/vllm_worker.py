@@ -21,7 +21,12 @@ from typing import Any
 import torch
 
 from esbatch.backends.base import PerturbedMember
+from esbatch.backends.layout import hf_rows, hf_views
+from esbatch.backends.vllm_lowrank import EngineLowRank
 from esbatch.backends.vllm_rpc import check_worker
+from esbatch.perturb import weights_for
+from esbatch.perturb.lowrank import LowRankWeights
+from esbatch.perturb.update import UpdateSpec
 
 
 def keep_cpu_linear_weights() -> None:
@@ -68,8 +73,6 @@ class ESWorkerExtension:
         lowrank: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """``lowrank``: {"rank": r, "vectors": ...} for es.perturbation: lowrank (esbatch/backends/vllm_lowrank.py)."""
-        from esbatch.backends.layout import hf_rows, hf_views
-        from esbatch.perturb import weights_for
 
         params = dict(self.model_runner.model.named_parameters())
         empty = [n for n, p in params.items() if p.numel() == 0]
@@ -82,9 +85,6 @@ class ESWorkerExtension:
             # es.noise: eps drawn on the engine's device; es.master: the fp32 center there, in host memory or on disk
             self.es = weights_for(views, "exact", track_drift, noise, master)
         else:
-            from esbatch.backends.vllm_lowrank import EngineLowRank
-            from esbatch.perturb.lowrank import LowRankWeights
-
             self.es = LowRankWeights(views, track_drift, noise, lowrank["rank"], lowrank["vectors"])
             self.lowrank = EngineLowRank(self.model_runner, self.es, hf_rows(params, shapes))
         some = next(iter(self.es.live.values()))
@@ -116,8 +116,6 @@ class ESWorkerExtension:
 
     @_safe
     def es_update(self, spec: dict[str, Any]) -> dict[str, Any]:
-        from esbatch.perturb.update import UpdateSpec
-
         l2, changed = self.es.update(UpdateSpec.from_record(spec))
         return {"l2": l2, "changed": changed, "rel": self.es.rel_distance(), "checksum": self.es.checksum()}
 

@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from esbatch.backends import BACKENDS
 from esbatch.config.loader import find, read_yaml
 from esbatch.config.run import parse_overrides
 from esbatch.registry import did_you_mean
@@ -75,8 +76,6 @@ class EvalConfig(Schema):
         return d
 
     def validate(self, path: str, errors: list[str]) -> None:
-        from esbatch.backends import BACKENDS
-
         labels = [t.label or t.name for t in self.task_list()]
         for lab in sorted({x for x in labels if labels.count(x) > 1}):
             errors.append(f"tasks: '{lab}' appears twice; give one of them a distinct `label`")

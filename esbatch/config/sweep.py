@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from esbatch.config.aggregate import parse_specs
 from esbatch.schema import ConfigError, Invalid, Schema, expects, folder_name, setting
 
 
@@ -144,8 +145,6 @@ class SweepFile(Schema):
 
     def validate(self, path: str, errors: list[str]) -> None:
         if self.aggregate is not None:
-            from esbatch.config.aggregate import parse_specs
-
             try:
                 parse_specs(self.aggregate, "aggregate")
             except ConfigError as e:

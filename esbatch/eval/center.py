@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from esbatch import durable
+from esbatch.config import load_run_config
 from esbatch.train.lock import writer_lock
 from esbatch.train.rundir import RunDir, RunFolderError
 
@@ -30,7 +31,6 @@ from esbatch.train.rundir import RunDir, RunFolderError
 def center_at(run: str | Path, t: int, out: str | Path | None = None) -> Path:
     """Write the center of run folder ``run`` after ``t`` updates to ``out`` (default:
     ``<run>/snapshots/center-<t>.safetensors``); returns the file."""
-    from esbatch.config import load_run_config
 
     rd = RunDir(run)
     if not rd.exists():

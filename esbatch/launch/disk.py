@@ -26,6 +26,7 @@ from typing import Any
 
 from esbatch.es.config import ESConfig
 from esbatch.models import NOMINAL_PARAMETERS, parameter_count
+from esbatch.pipeline import stage_configs
 from esbatch.train.config import TrainConfig
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -63,8 +64,6 @@ def run_disk(cfg: TrainConfig, params: int | None) -> RunDisk:
     if params is None:
         return out
     if cfg.algorithm == "pipeline":
-        from esbatch.pipeline import stage_configs
-
         for rd, sc in stage_configs(cfg, Path(cfg.run.output_dir) / cfg.run.name, None):
             stage = run_disk(sc, params)
             out.items += [(f"{rd.path.name}: {what}", b) for what, b in stage.items]

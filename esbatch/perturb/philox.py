@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
 import torch
@@ -59,7 +60,6 @@ def key_words(key: int) -> tuple[int, int]:
 
 def table_point(m: int) -> float:
     """The table's abscissa m -> z = -Phi^{-1}((m + 0.5) / 2^32) in float64 (stdlib)."""
-    from statistics import NormalDist
 
     return -NormalDist().inv_cdf((m + 0.5) / 2**32)
 

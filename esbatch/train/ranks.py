@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -96,7 +97,6 @@ class Ranks:
     def close(self, ok: bool) -> None:
         """Leave the process group (also a world of one that DeepSpeed initialised: gloo aborts at exit without
         it, measured 1 in 8); after a failure skip the barrier (a peer may be gone)."""
-        import sys
 
         if "torch.distributed" not in sys.modules:
             return
