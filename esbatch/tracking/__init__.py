@@ -8,5 +8,14 @@ from esbatch.tracking.mlflow_tracker import (
     parent_tag,
     run_tags,
 )
+from esbatch.tracking.spool import spool_path
 
-__all__ = ["MLflowTracker", "NullTracker", "default_tracking_uri", "log_artifacts_to", "parent_tag", "run_tags"]
+__all__ = [
+    "MLflowTracker",
+    "NullTracker",
+    "default_tracking_uri",
+    "log_artifacts_to",
+    "parent_tag",
+    "run_tags",
+    "spool_path",
+]

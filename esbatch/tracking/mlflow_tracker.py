@@ -17,11 +17,13 @@ import sqlite3
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import esbatch
+from esbatch.tracking import spool as spooling
+from esbatch.tracking.spool import BACKOFF_S, RETRY_EVERY_S, Spool, describe, now_ms, retry, send, transient
 
 
 @contextlib.contextmanager
@@ -142,17 +144,40 @@ def run_tags() -> dict[str, str]:
 
 
 class MLflowTracker:
-    """One MLflow run per training run; resumable by run id so a resumed run keeps one MLflow run."""
+    """One MLflow run per training run; resumable by run id so a resumed run keeps one MLflow run.
 
-    def __init__(self, uri: str, experiment: str, artifact_root: str | Path | None = None) -> None:
+    Every write is tried with backoff (esbatch/tracking/spool.py: six tries over about a minute). With ``spool``
+    (the run folder's ``tracking.pending.jsonl``), metrics, artifacts and the end status the store still
+    refuses are kept there and sent later, each metric step once, and training goes on; without it the last
+    failure raises. ``sleep`` (default ``spool.pause``, looked up when the tracker is made) and ``clock`` are
+    injectable: tests never wait."""
+
+    def __init__(
+        self,
+        uri: str,
+        experiment: str,
+        artifact_root: str | Path | None = None,
+        spool: str | Path | None = None,
+        *,
+        sleep: Callable[[float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
         import mlflow
         from mlflow.tracking import MlflowClient
 
         self.mlflow, self.uri = mlflow, uri
-        with sqlite_lock(uri):  # concurrent first use of one sqlite file races on schema creation
-            self.client = MlflowClient(tracking_uri=uri)
-            self.experiment_id = self._experiment(experiment, uri, artifact_root)
+        self.spool = Spool(spool) if spool is not None else None
+        self._sleep, self._clock = sleep or spooling.pause, clock
+        self._spooling = False  # the store refused a write after every try: writes go to the spool
+        self._next_try = 0.0  # while spooling, the store is not tried again before this clock reading
+
+        def open_store(attempt: int) -> str:
+            with sqlite_lock(uri):  # concurrent first use of one sqlite file races on schema creation
+                self.client = MlflowClient(tracking_uri=uri)
+                return self._experiment(experiment, uri, artifact_root)
+
+        self.experiment_id = retry(open_store, self._sleep)
         self.run_id: str | None = None
 
     def _experiment(self, experiment: str, uri: str, artifact_root: str | Path | None) -> str:
@@ -168,7 +193,13 @@ class MLflowTracker:
         return exp.experiment_id
 
     def start(self, run_name: str, params: dict[str, Any], tags: dict[str, str], run_id: str | None = None) -> str:
-        """Create the run (or reopen ``run_id`` on resume) and log params once."""
+        """Create the run (or reopen ``run_id`` on resume) and log params once. Writes a crashed process left in
+        the spool are sent first (its end status must not land after this reopening)."""
+        if self.spool is not None and self.spool.pending():
+            self._drain(force=True)
+        return retry(lambda attempt: self._start(run_name, params, tags, run_id), self._sleep)
+
+    def _start(self, run_name: str, params: dict[str, Any], tags: dict[str, str], run_id: str | None) -> str:
         from mlflow.entities import Param, RunTag
 
         with self._lock():
@@ -183,6 +214,8 @@ class MLflowTracker:
                 self.run_id = run_id
                 self.client.update_run(run_id, status="RUNNING")
                 self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+                if self.spool is not None and self.spool.pending():  # an old end status there is sent before it
+                    self.spool.append(self._record(status="RUNNING"))
                 return run_id
             run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
             self.run_id = run.info.run_id
@@ -196,7 +229,9 @@ class MLflowTracker:
 
         try:
             self.client.get_run(run_id)
-        except MlflowException:
+        except MlflowException as e:
+            if transient(e):
+                raise  # the store is busy, not missing the run: try again
             return False
         return True
 
@@ -205,31 +240,123 @@ class MLflowTracker:
         return sqlite_lock(self.uri)
 
     def last_step(self, key: str) -> int:
-        """Largest step logged for ``key`` (-1 if none): lets a resumed run log each step exactly once."""
-        with self._lock():
-            hist = self.client.get_metric_history(self.run_id, key)
-        return max((m.step for m in hist), default=-1)
+        """Largest step logged for ``key`` (-1 if none), in MLflow or still in the spool: lets a resumed run log
+        each step exactly once. When the store cannot be read, later writes go through the spool, whose sending
+        skips the steps MLflow has."""
+        if self.spool is not None and self.spool.pending():
+            self._drain(force=True)
+
+        def read(attempt: int) -> list[Any]:
+            with self._lock():
+                return self.client.get_metric_history(self.run_id, key)
+
+        try:
+            hist = retry(read, self._sleep)
+        except Exception as e:
+            if self.spool is None or not transient(e):
+                raise
+            self._spool_from_now(e)
+            hist = []
+        steps = [m.step for m in hist]
+        if self.spool is not None:
+            steps += [
+                r["step"] for r in self.spool.records() if r["run_id"] == self.run_id and key in r.get("metrics", {})
+            ]
+        return max(steps, default=-1)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        ms = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
-        with self._lock():
-            self.client.log_batch(self.run_id, metrics=ms)
+        values = {k: float(v) for k, v in metrics.items() if v is not None}
+        if values:
+            self._write(self._record(step=step, metrics=values))
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        with self._lock():
-            self.client.log_artifact(self.run_id, str(path), artifact_path)
+        self._write(self._record(artifact=str(Path(path).resolve()), artifact_path=artifact_path))
 
     def log_artifacts(self, path: str | Path, artifact_path: str | None = None) -> None:
-        with self._lock():
-            self.client.log_artifacts(self.run_id, str(path), artifact_path)
+        self._write(self._record(artifact=str(Path(path).resolve()), artifact_path=artifact_path))
 
     def end(self, status: str = "FINISHED") -> None:
-        if self.run_id:
+        """Mark the run ended; a spool left from the run is sent first, with the full backoff. What the store
+        still refuses stays in the spool (`esbatch aggregate` sends it)."""
+        if not self.run_id:
+            return
+        rec = self._record(status=status)
+        if self.spool is not None and (self._spooling or self.spool.pending()):
+            self.spool.append(rec)
+            if not self._drain(force=True, backoff=True):
+                print(
+                    f"warning: the run's MLflow writes (its end, {status}) stay in {self.spool.path}: "
+                    "`esbatch aggregate` or a resume sends them",
+                    file=sys.stderr,
+                )
+            return
+        self._write(rec)
+
+    # ------------------------------------------------------------------ writing, retrying, spooling
+    def _record(self, **what: Any) -> dict[str, Any]:
+        return {"run_id": self.run_id, "uri": self.uri, "time": now_ms(), **what}
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        """Send one write, tried with backoff (a retry skips the metric steps an earlier try may have landed);
+        into the spool when the store still refuses it, or while earlier writes wait there (they go first)."""
+        if self.spool is not None and (self._spooling or self.spool.pending()):
+            self.spool.append(rec)
+            self._drain()
+            return
+
+        def attempt(i: int) -> None:
             with self._lock():
-                self.client.set_terminated(self.run_id, status=status)
+                if i > 0 or "metrics" not in rec:
+                    send(self.client, [rec])
+                else:
+                    self._send_metrics(rec)
+
+        try:
+            retry(attempt, self._sleep)
+        except Exception as e:
+            if self.spool is None or not transient(e):
+                raise
+            self.spool.append(rec)
+            self._spool_from_now(e)
+
+    def _send_metrics(self, rec: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        ms = [Metric(k, v, rec["time"], rec["step"]) for k, v in rec["metrics"].items()]
+        self.client.log_batch(rec["run_id"], metrics=ms)
+
+    def _spool_from_now(self, e: BaseException) -> None:
+        self._next_try = self._clock() + RETRY_EVERY_S
+        if not self._spooling:
+            self._spooling = True
+            print(
+                f"warning: the MLflow store {self.uri} is unavailable ({describe(e)}); training goes on, tracking "
+                f"writes are kept in {self.spool.path if self.spool else '?'} and sent when it answers again",
+                file=sys.stderr,
+            )
+
+    def _drain(self, force: bool = False, backoff: bool = False) -> bool:
+        """Send the spool, oldest first (at most once per RETRY_EVERY_S unless ``force``); whether it is empty."""
+        if self.spool is None or (not force and self._clock() < self._next_try):
+            return False
+        from mlflow.tracking import MlflowClient
+
+        def store(uri: str) -> tuple[Any, Any]:
+            if uri == self.uri:
+                return self.client, self._lock
+            return MlflowClient(tracking_uri=uri), lambda: sqlite_lock(uri)
+
+        try:
+            n = retry(lambda attempt: self.spool.send(store), self._sleep, delays=BACKOFF_S if backoff else ())
+        except Exception as e:
+            if not transient(e):
+                raise
+            self._spool_from_now(e)
+            return False
+        if self._spooling:
+            print(f"note: the MLflow store {self.uri} answers again: {n} spooled metric points sent", file=sys.stderr)
+        self._spooling = False
+        return True
 
 
 class NullTracker:

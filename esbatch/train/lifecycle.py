@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from esbatch import durable
-from esbatch.tracking import MLflowTracker, NullTracker, default_tracking_uri, parent_tag, run_tags
+from esbatch.tracking import MLflowTracker, NullTracker, default_tracking_uri, parent_tag, run_tags, spool_path
 from esbatch.train import fingerprint, stop
 from esbatch.train.config import Algorithm, TrainConfig
 from esbatch.train.lock import writer_lock
@@ -206,7 +206,9 @@ class RunSession:
         if not self.lead:
             self.tracker = NullTracker()  # rank 0 holds the MLflow run
             return None
-        self.tracker = MLflowTracker(self.uri, cfg.tracking.experiment, Path(cfg.run.output_dir) / "mlartifacts")
+        self.tracker = MLflowTracker(  # what the store refuses waits in the run folder (tracking/spool.py)
+            self.uri, cfg.tracking.experiment, Path(cfg.run.output_dir) / "mlartifacts", spool_path(self.rd.path)
+        )
         tags = {
             **run_tags(),
             "algorithm": cfg.algorithm,

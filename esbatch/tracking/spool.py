@@ -1,0 +1,216 @@
+"""Tracking never kills training: MLflow writes retried with backoff, then kept in the run folder and sent later.
+
+The run folder is the record (log.jsonl, eval.jsonl); MLflow is its copy. A write the store refuses for a
+transient reason (a sqlite file locked by another connection, a server down) is tried again after
+``BACKOFF_S`` = 2, 4, 8, 16, 30 s: six tries, 60 s of sleeping (against sqlite each try also waits up to
+MLflow's own 20 s busy timeout, so a lock of up to ~3 min is ridden out). Still failing, the write is appended to
+``<run folder>/tracking.pending.jsonl`` (one JSON line per write, flushed and fsynced under an flock), training
+goes on with one warning on stderr, and later writes go to the spool too and try, at most once a minute
+(``RETRY_EVERY_S``), to send it, oldest first; the run's end tries with the full backoff. ``esbatch aggregate``
+sends what is left (esbatch/tracking/pending.py).
+
+Each (metric key, step) reaches MLflow once: sending skips the steps MLflow already has, so a crash between
+sending and emptying the spool sends nothing twice. Lines of a run the store does not know (a moved or deleted
+store) are dropped with a warning: the folder's log.jsonl and eval.jsonl still hold them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+FILE = "tracking.pending.jsonl"
+BACKOFF_S = (2.0, 4.0, 8.0, 16.0, 30.0)  # sleeps between the 6 tries of one write
+RETRY_EVERY_S = 60.0  # while writes are spooled, the store is tried at most this often
+# MLflow errors that say the request itself is wrong: trying again cannot help (they raise, as before)
+PERMANENT = {"INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST", "INVALID_STATE"}
+TERMINAL = {"FINISHED", "FAILED", "KILLED"}
+
+T = TypeVar("T")
+
+
+def pause(seconds: float) -> None:
+    """The tracker's default sleep between tries (a test replaces it: nothing there waits)."""
+    time.sleep(seconds)
+
+
+def spool_path(run_folder: str | Path) -> Path:
+    return Path(run_folder) / FILE
+
+
+def transient(e: BaseException) -> bool:
+    """Whether a failed tracking write may succeed later (the store busy or away), rather than being wrong."""
+    return isinstance(e, Exception) and getattr(e, "error_code", None) not in PERMANENT | {"RESOURCE_DOES_NOT_EXIST"}
+
+
+def retry(op: Callable[[int], T], sleep: Callable[[float], None], delays: tuple[float, ...] = BACKOFF_S) -> T:
+    """``op(attempt)`` until it returns, sleeping ``delays[i]`` after the (i+1)-th transient failure; the last
+    failure (or any non-transient one) is raised."""
+    for attempt in range(len(delays) + 1):
+        try:
+            return op(attempt)
+        except Exception as e:
+            if attempt == len(delays) or not transient(e):
+                raise
+            sleep(delays[attempt])
+    raise AssertionError("unreachable")
+
+
+def describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+class Spool:
+    """The pending tracking writes of one run folder, one JSON object a line, oldest first."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def pending(self) -> bool:
+        try:
+            return self.path.stat().st_size > 0
+        except FileNotFoundError:
+            return False
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[IO[str]]:
+        """The spool file open for reading and appending, under an exclusive flock (the run and `esbatch
+        aggregate` may both send it)."""
+        with open(self.path, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield f
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def append(self, rec: dict[str, Any]) -> None:
+        line = json.dumps(rec, sort_keys=True) + "\n"
+        with self.locked() as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() > 0:  # a line torn by a crash gets its newline: the new line stays whole
+                f.seek(f.tell() - 1)
+                if f.read(1) != "\n":
+                    line = "\n" + line
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def records(self, f: IO[str] | None = None) -> list[dict[str, Any]]:
+        if f is None:
+            if not self.pending():
+                return []
+            with self.locked() as g:
+                return self.records(g)
+        f.seek(0)
+        out = []
+        for line in f.read().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a crash: its write never returned, the folder's logs hold it
+            if isinstance(rec, dict) and isinstance(rec.get("run_id"), str):
+                out.append(rec)
+        return out
+
+    def send(self, client_for: Callable[[str], tuple[Any, Callable[[], Any]]], uri: str | None = None) -> int:
+        """Send every pending write, then empty the spool; returns the metric points sent. ``client_for(uri)``:
+        an MlflowClient for the store and its writer lock. A failure raises and leaves the spool whole."""
+        with self.locked() as f:
+            recs = self.records(f)
+            stores: dict[str, list[dict[str, Any]]] = {}
+            for r in recs:
+                stores.setdefault(uri or r.get("uri", ""), []).append(r)
+            sent = 0
+            for u, rs in stores.items():
+                client, lock = client_for(u)
+                with lock():
+                    sent += send(client, rs)
+            _truncate(f)
+        return sent
+
+
+def _truncate(f: IO[str]) -> None:
+    """Empty the spool once everything in it is in MLflow (a test makes this raise: a crash right here)."""
+    f.truncate(0)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def send(client: Any, recs: Iterable[dict[str, Any]]) -> int:
+    """Send spooled writes to their runs in order, each (run, key, step) once: steps MLflow already has are
+    skipped. Returns the metric points sent."""
+    from mlflow.entities import Metric
+    from mlflow.exceptions import MlflowException
+
+    have: dict[tuple[str, str], set[int]] = {}
+    known: dict[str, bool] = {}
+    batch: list[Any] = []
+    batch_run: str | None = None
+    sent = dropped = 0
+
+    def flush() -> None:
+        nonlocal batch, sent
+        for i in range(0, len(batch), 1000):
+            client.log_batch(batch_run, metrics=batch[i : i + 1000])
+        sent += len(batch)
+        batch = []
+
+    for r in recs:
+        rid = r["run_id"]
+        if rid not in known:
+            try:
+                client.get_run(rid)
+                known[rid] = True
+            except MlflowException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                known[rid] = False
+        if not known[rid]:
+            dropped += 1
+            continue
+        if rid != batch_run:
+            flush()
+            batch_run = rid
+        if "metrics" in r:
+            step = int(r["step"])
+            for k, v in r["metrics"].items():
+                if (rid, k) not in have:
+                    have[rid, k] = {m.step for m in client.get_metric_history(rid, k)}
+                if step not in have[rid, k]:
+                    batch.append(Metric(k, float(v), int(r["time"]), step))
+                    have[rid, k].add(step)
+            continue
+        flush()
+        if "status" in r:
+            if r["status"] in TERMINAL:
+                client.set_terminated(rid, status=r["status"], end_time=int(r["time"]))
+            else:
+                client.update_run(rid, status=r["status"])
+        elif "artifact" in r:
+            path = Path(r["artifact"])
+            if not path.exists():
+                print(f"warning: {path} is gone: not sent to MLflow run {rid}", file=sys.stderr)
+            elif path.is_dir():
+                client.log_artifacts(rid, str(path), r.get("artifact_path"))
+            else:
+                client.log_artifact(rid, str(path), r.get("artifact_path"))
+    flush()
+    if dropped:
+        gone = sorted(k for k, v in known.items() if not v)
+        print(
+            f"warning: {dropped} spooled tracking writes of MLflow runs {', '.join(gone)} not sent: the store does "
+            "not know these runs (the run folder's log.jsonl and eval.jsonl keep the metrics)",
+            file=sys.stderr,
+        )
+    return sent
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
