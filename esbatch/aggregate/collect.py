@@ -21,6 +21,7 @@ from esbatch.launch.submit import run_states
 from esbatch.tracking import MLflowTracker
 from esbatch.tracking.merge import find_child, merge_run
 from esbatch.tracking.mlflow_tracker import sqlite_lock
+from esbatch.tracking.pending import drain_all
 from esbatch.train.rundir import RunDir, RunFolderError, read_jsonl
 
 STATUS = {"FINISHED": "finished", "RUNNING": "running", "FAILED": "failed", "KILLED": "killed", "SCHEDULED": "pending"}
@@ -131,6 +132,7 @@ def aggregate(sweep_dir: str | Path) -> Path:
     sd = SweepDir(sweep_dir)
     if not sd.exists():
         raise FileNotFoundError(f"{sd.path}: not a sweep folder (no sweep.json); submit it with `esbatch sweep FILE`")
+    drain_all(sd.run_dir(r["key"]).path for r in sd.read().get("runs", []))  # MLflow writes kept in run folders
     if sd.read().get("tracking") == "offline":
         merge_offline(sd)
     sd.ensure_parent_run()  # a sweep whose runs never logged still gets its parent run and report
