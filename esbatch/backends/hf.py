@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,9 @@ from esbatch.backends.config import ESSetup
 from esbatch.models import ModelConfig, load_model_and_tokenizer, load_weights
 from esbatch.perturb import DEFAULT_NOISE, weights_for
 from esbatch.perturb.update import UpdateSpec
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
 
 
 class HFGenerator(Generator):
@@ -72,7 +75,7 @@ class HFGenerator(Generator):
         return out
 
     def generate_call(
-        self, chunk: list[str], gcfg: Any, sampling: SamplingParams, processors: Sequence[Any] = ()
+        self, chunk: list[str], gcfg: GenerationConfig, sampling: SamplingParams, processors: Sequence[Any] = ()
     ) -> list[Generation]:
         """One model.generate over ``chunk`` (left-padded together), ``processors`` run after the entropy meter."""
         from transformers import LogitsProcessorList

@@ -20,10 +20,10 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from esbatch import durable
 from esbatch.config import load_run_config
+from esbatch.train.config import TrainConfig
 from esbatch.train.lock import writer_lock
 from esbatch.train.rundir import RunDir, RunFolderError
 
@@ -44,7 +44,7 @@ def center_at(run: str | Path, t: int, out: str | Path | None = None) -> Path:
         return _write_center(rd, cfg, t, target)
 
 
-def _write_center(rd: RunDir, cfg: Any, t: int, target: Path) -> Path:
+def _write_center(rd: RunDir, cfg: TrainConfig, t: int, target: Path) -> Path:
     from esbatch.es.replay import rebuild_center  # heavy: torch (the HF backend replays on the CPU)
 
     if cfg.algorithm == "es":
