@@ -217,8 +217,8 @@ class MLflowTracker:
                 if self.spool is not None and self.spool.pending():  # an old end status there is sent before it
                     self.spool.append(self._record(status="RUNNING"))
                 return run_id
-            run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
-            self.run_id = run.info.run_id
+            if self.run_id is None:  # else an earlier try created it, then failed: not a second run
+                self.run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
             items = [Param(k, str(v)[:6000]) for k, v in params.items()]
             for i in range(0, len(items), 100):
                 self.client.log_batch(self.run_id, params=items[i : i + 100])
@@ -267,7 +267,7 @@ class MLflowTracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         values = {k: float(v) for k, v in metrics.items() if v is not None}
         if values:
-            self._write(self._record(step=step, metrics=values))
+            self._write(self._record(step=int(step), metrics=values))
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self._write(self._record(artifact=str(Path(path).resolve()), artifact_path=artifact_path))

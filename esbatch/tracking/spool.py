@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import json
 import os
+import sqlite3
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -46,8 +47,12 @@ def spool_path(run_folder: str | Path) -> Path:
 
 
 def transient(e: BaseException) -> bool:
-    """Whether a failed tracking write may succeed later (the store busy or away), rather than being wrong."""
-    return isinstance(e, Exception) and getattr(e, "error_code", None) not in PERMANENT | {"RESOURCE_DOES_NOT_EXIST"}
+    """Whether a failed tracking write may succeed later (the store busy or away), rather than being wrong: an
+    MLflow error other than a bad request, a database or network error. Anything else (a bug) raises at once."""
+    code = getattr(e, "error_code", None)  # MlflowException and its REST form
+    if code is not None:
+        return code not in PERMANENT | {"RESOURCE_DOES_NOT_EXIST"}
+    return isinstance(e, (OSError, sqlite3.Error)) or type(e).__module__.startswith("sqlalchemy.")
 
 
 def retry(op: Callable[[int], T], sleep: Callable[[float], None], delays: tuple[float, ...] = BACKOFF_S) -> T:

@@ -12,6 +12,7 @@ import sqlite3
 
 import pytest
 from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, TEMPORARILY_UNAVAILABLE
 from mlflow.tracking import MlflowClient
 
 from esbatch.config import config_from_dict
@@ -46,7 +47,7 @@ class Outage:
             if self.down:
                 self.refused += 1
                 raise MlflowException(
-                    "(sqlite3.OperationalError) database is locked", error_code="TEMPORARILY_UNAVAILABLE"
+                    "(sqlite3.OperationalError) database is locked", error_code=TEMPORARILY_UNAVAILABLE
                 )
             return real(*args, **kwargs)
 
@@ -93,12 +94,12 @@ def test_a_store_failing_a_few_times_gets_each_step_once_after_backing_off(store
     def flaky(run_id, **kw):
         if left["fail"]:
             left["fail"] -= 1
-            raise MlflowException("database is locked", error_code="TEMPORARILY_UNAVAILABLE")
+            raise MlflowException("database is locked", error_code=TEMPORARILY_UNAVAILABLE)
         real(run_id, **kw)
         points.extend((m.key, m.step) for m in kw.get("metrics", []))
         if left["land_then_fail"]:  # a server that stored the batch, then timed out answering
             left["land_then_fail"] -= 1
-            raise MlflowException("read timed out", error_code="TEMPORARILY_UNAVAILABLE")
+            raise MlflowException("read timed out", error_code=TEMPORARILY_UNAVAILABLE)
 
     monkeypatch.setattr(tr.client, "log_batch", flaky)
     tr.log_metrics(metrics(1), step=1)
@@ -343,3 +344,37 @@ def test_esbatch_aggregate_sends_what_the_runs_spooled(tmp_path, monkeypatch):
     assert spooled(sd.run_dir("s0").path) == spooled(sd.run_dir("s1").path / "stage1-es") == []
     aggregate(sd.path)
     assert all([s for s, _ in history(uri, ids[k])] == [1, 2, 3] for k in keys)
+
+
+def test_a_start_that_fails_after_creating_the_run_makes_no_second_run(store, run_folder, monkeypatch):
+    sleeps: list[float] = []
+    tr = MLflowTracker(store, "t", spool=spool_path(run_folder), sleep=sleeps.append, clock=Clock())
+    real, left = tr.client.log_batch, {"fail": 1}
+
+    def flaky(run_id, **kw):
+        if left["fail"]:
+            left["fail"] -= 1
+            raise MlflowException("database is locked", error_code=TEMPORARILY_UNAVAILABLE)
+        real(run_id, **kw)
+
+    monkeypatch.setattr(tr.client, "log_batch", flaky)
+    run_id = tr.start("r", {"es.sigma": 0.05}, {"k": "v"})
+    assert sleeps == [BACKOFF_S[0]]
+    runs = MlflowClient(store).search_runs([tr.experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id] and runs[0].data.params == {"es.sigma": "0.05"}
+
+
+def test_a_bug_or_a_bad_request_raises_at_once_instead_of_being_spooled(store, run_folder, monkeypatch):
+    sleeps: list[float] = []
+    tr = tracker(store, run_folder, sleeps)
+
+    def bad(run_id, **kw):
+        raise MlflowException("Invalid metric name", error_code=INVALID_PARAMETER_VALUE)
+
+    monkeypatch.setattr(tr.client, "log_batch", bad)
+    with pytest.raises(MlflowException, match="Invalid metric name"):
+        tr.log_metrics(metrics(1), step=1)
+    monkeypatch.setattr(tr.client, "log_batch", lambda run_id, **kw: None.missing)
+    with pytest.raises(AttributeError):
+        tr.log_metrics(metrics(1), step=1)
+    assert sleeps == [] and spooled(run_folder) == []
