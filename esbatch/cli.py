@@ -31,8 +31,17 @@ from esbatch.diagnose.protocol import OBJECTIVES, SEED_MODES, KappaProtocol, pla
 from esbatch.es.config import ESConfig, backend_setup
 from esbatch.grpo.config import GRPOConfig
 from esbatch.launch.base import LAUNCHERS
-from esbatch.launch.state import SweepDir
-from esbatch.launch.submit import cancel_sweep, dry_run, follow, format_table, memory_warnings, run_states, submit_sweep
+from esbatch.launch.state import SweepDir, folder_problem
+from esbatch.launch.submit import (
+    cancel_sweep,
+    dry_run,
+    folder_notes,
+    follow,
+    format_table,
+    memory_warnings,
+    run_states,
+    submit_sweep,
+)
 from esbatch.launch.sweep import load_sweep
 from esbatch.models import DTYPES, MODELS, load_model_and_tokenizer
 from esbatch.registry import UnknownNameError
@@ -236,19 +245,25 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     stop.install()
     code = submit_sweep(sweep, wait=args.wait)
     if code != 130 and (sweep.profile.cluster == "local" or (args.wait and not sweep.profile.aggregate_job)):
-        _aggregate_quietly(sweep.dir)
+        code = _aggregate_after_sweep(sweep.dir) or code
     elif code != 130 and args.wait and (sweep.dir / "results" / "README.md").exists():
         print(f"results: {sweep.dir / 'results'}")
     return code
 
 
-def _aggregate_quietly(sweep_dir: Path) -> None:
+def _aggregate_after_sweep(sweep_dir: Path) -> int:
+    """Aggregate a sweep that has run; 1 (and why, and how to retry) when that fails: the runs are safe on disk."""
     from esbatch.aggregate.collect import aggregate
 
     try:
         print(f"results: {aggregate(sweep_dir)}")
-    except Exception as e:  # noqa: BLE001 - the runs are safe on disk; say what failed and how to retry
-        print(f"aggregation failed ({type(e).__name__}: {e}); retry with: esbatch aggregate {sweep_dir}")
+    except Exception as e:  # noqa: BLE001 - any failure: said, and the sweep's exit status says it too
+        print(
+            f"error: aggregation failed ({type(e).__name__}: {e}); retry with: esbatch aggregate {sweep_dir}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def _sweep_dir(arg: str, name: str | None = None) -> Path:
@@ -274,7 +289,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         follow(sd)
     meta = sd.read()
     print(f"sweep {meta['name']} ({meta['launcher']}, {meta['cluster']}) in {sd.path}")
-    print(format_table(run_states(sd)))
+    states = run_states(sd)
+    print(format_table(states))
+    for note in folder_notes(sd, states):
+        print(note)
     for w in memory_warnings(sd):
         print(f"memory: {w}")
     return 0
@@ -405,9 +423,11 @@ def _measure_model(cfg: TrainConfig, params: int | None, prompt_tokens: float | 
 def cmd_plot(args: argparse.Namespace) -> int:
     from esbatch.aggregate.plots import plot_runs
 
-    missing = [d for d in args.run_dirs if not RunDir(d).exists()]
-    if missing:
-        return _err(f"{missing[0]} is not a run directory (no {RunDir.CONFIG})")
+    for d in args.run_dirs:  # the same words as `esbatch status`, `sweep` and `aggregate`
+        if problem := folder_problem(RunDir(d)):
+            return _err(f"damaged: {problem}")
+        if not RunDir(d).exists():
+            return _err(f"{d} is not a run directory (no {RunDir.CONFIG})")
     print(plot_runs(args.run_dirs, args.output, title=args.title))
     return 0
 

@@ -16,8 +16,8 @@ from esbatch.aggregate.evals import default_eval_analyses, load_evals
 from esbatch.aggregate.report import default_analyses, parse_analyses, write_report
 from esbatch.aggregate.results import RunResult
 from esbatch.config import flatten
-from esbatch.launch.state import SweepDir
-from esbatch.launch.submit import run_states
+from esbatch.launch.state import RunState, SweepDir
+from esbatch.launch.submit import folder_notes, run_states
 from esbatch.tracking import MLflowTracker
 from esbatch.tracking.merge import find_child, merge_run
 from esbatch.tracking.mlflow_tracker import sqlite_lock
@@ -82,7 +82,9 @@ def folder_history(rd: RunDir) -> dict[str, list[tuple[int, float]]]:
     return {k: sorted(pts.items()) for k, pts in hist.items()}
 
 
-def collect(sd: SweepDir, metrics: tuple[str, ...] | None = None) -> list[RunResult]:
+def collect(
+    sd: SweepDir, metrics: tuple[str, ...] | None = None, states: list[RunState] | None = None
+) -> list[RunResult]:
     """One RunResult per planned run, params and histories read from MLflow.
 
     ``metrics=None`` reads every metric each run logged (any name an analysis may ask for, not a fixed
@@ -93,17 +95,19 @@ def collect(sd: SweepDir, metrics: tuple[str, ...] | None = None) -> list[RunRes
     meta = sd.read()
     client = MlflowClient(tracking_uri=meta["tracking_uri"])
     exp = client.get_experiment_by_name(meta["experiment"])
-    states = {s.key: s for s in run_states(sd)}
+    by_key = {s.key: s for s in (states if states is not None else run_states(sd))}
     out = []
     for r in meta.get("runs", []):
         key = r["key"]
         plan = yaml.safe_load(sd.plan_path(key).read_text())
         point = {k: v for k, v in r.get("point", {}).items() if "." not in k}  # e.g. method: not a config key
         child = find_child(client, exp.experiment_id, meta["name"], key) if exp else None
-        st = states.get(key)
+        st = by_key.get(key)
         local = folder_history(sd.run_dir(key))
         if metrics is not None:
             local = {m: pts for m, pts in local.items() if m in metrics}
+        if st is not None and st.state in ("pending", "missing", "damaged") and child is not None:
+            child = None  # the folder is the record: MLflow's run of a folder that is gone or damaged is not read
         if child is None:
             status = st.state if st and st.state != "pending" else "missing"
             params = {**flatten(plan), **point}
@@ -117,9 +121,7 @@ def collect(sd: SweepDir, metrics: tuple[str, ...] | None = None) -> list[RunRes
                 history[m] = sorted({h.step: h.value for h in hist}.items())
         for m, pts in local.items():
             history.setdefault(m, pts)
-        status = STATUS.get(child.info.status, child.info.status.lower())
-        if status == "running" and st is not None and st.state not in ("running", "queued"):
-            status = st.state  # the job is gone but never closed its run (killed hard, node failure)
+        status = st.state if st is not None else STATUS.get(child.info.status, child.info.status.lower())
         total = (st.total if st else None) or 0
         out.append(RunResult(key, r["label"], status, params, total, history))
     return out
@@ -137,7 +139,10 @@ def aggregate(sweep_dir: str | Path) -> Path:
         merge_offline(sd)
     sd.ensure_parent_run()  # a sweep whose runs never logged still gets its parent run and report
     meta = sd.read()
-    runs = collect(sd)
+    states = run_states(sd)
+    for note in folder_notes(sd, states):  # the same words as `esbatch status` and `esbatch sweep`
+        print(f"note: {note}", file=sys.stderr)
+    runs = collect(sd, states=states)
     analyses = parse_analyses(meta["aggregate"]) if meta.get("aggregate") else default_analyses(runs)
     evals = None
     if meta.get("evals"):

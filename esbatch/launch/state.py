@@ -68,6 +68,11 @@ class SweepDir:
             durable.write_text(self.meta_path, json.dumps(meta, indent=1))
 
     def read(self) -> dict[str, Any]:
+        if self.runs.exists() and not self.runs.is_dir():
+            raise RunFolderError(
+                f"{self.runs}: not a folder, so no run of sweep {self.path} can be read. Move it aside (mv {self.runs} "
+                f"{self.runs}.damaged) and restore the runs folder, or submit the sweep again to retrain every run."
+            )
         return read_json_object(
             self.meta_path,
             "a valid sweep record",
@@ -76,6 +81,12 @@ class SweepDir:
             "longer tracked: cancel them first).",
             valid=lambda m: "" if isinstance(m.get("runs", []), list) else "its 'runs' is not a list",
         )
+
+    def unplanned(self) -> list[str]:
+        """Run folders under runs/ that the plan no longer holds (a grid edited since): listed, never read."""
+        planned = {r["key"] for r in self.read().get("runs", [])}
+        found = sorted(p.name for p in self.runs.iterdir() if p.is_dir()) if self.runs.is_dir() else []
+        return [k for k in found if k not in planned]
 
     def run_dir(self, key: str) -> RunDir:
         return RunDir(self.runs / key)
@@ -147,14 +158,40 @@ def planned_total(plan: Any, meta: dict[str, Any]) -> int | None:
     return total if total is not None else meta.get("total_updates")
 
 
+STARTING = {".lock", "task.log"}  # what a task writes before the run's config.yaml: a run folder still starting
+
+
+def folder_problem(rd: RunDir) -> str | None:
+    """Why ``rd`` is not a readable run folder (None when it is one, or not there yet): the one message that
+    `esbatch status`, `sweep` and `aggregate` give for it."""
+    if not rd.path.exists():
+        return None
+    if not rd.path.is_dir():
+        return f"{rd.path}: not a folder. Move it aside; the next `esbatch sweep` trains the run again"
+    if not rd.exists():
+        found = sorted(p.name for p in rd.path.iterdir() if p.name not in STARTING)
+        if found:
+            return (
+                f"{rd.path}: holds {', '.join(found[:4])} but no {RunDir.CONFIG}: restore it from a backup, or move "
+                "the folder aside to train the run again"
+            )
+        return None
+    try:
+        rd.read_meta()
+    except RunFolderError as e:
+        return str(e)
+    return None
+
+
 def disk_state(rd: RunDir, plan: Any) -> tuple[str, int, int | None, float | None, float | None]:
-    """(state, updates done, total, last mean reward, last held-out accuracy) from a run folder alone."""
+    """(state, updates done, total, last mean reward, last held-out accuracy) from a run folder alone: pending
+    (no folder yet), damaged (``folder_problem``: named by `esbatch sweep`, which leaves it alone), or run.json's
+    status."""
+    if folder_problem(rd):
+        return "damaged", 0, planned_total(plan, {}), None, None
     if not rd.exists():
         return "pending", 0, planned_total(plan, {}), None, None
-    try:
-        meta = rd.read_meta()
-    except RunFolderError:  # named by `esbatch sweep` (which does not resubmit it) and by `esbatch train --resume`
-        return "damaged", 0, planned_total(plan, {}), None, None
+    meta = rd.read_meta()
     done = rd.progress()
     total = planned_total(plan, meta)
     status = meta.get("status", "running")

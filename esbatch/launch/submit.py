@@ -21,7 +21,7 @@ from esbatch.launch.base import LAUNCHERS, launcher_for
 from esbatch.launch.disk import sweep_disk
 from esbatch.launch.evals import eval_disk_state, eval_progress, is_eval_key
 from esbatch.launch.slurm import job_state
-from esbatch.launch.state import ACTIVE_STATES, RunState, SweepDir, combine, disk_state, now
+from esbatch.launch.state import ACTIVE_STATES, RunState, SweepDir, combine, disk_state, folder_problem, now
 from esbatch.launch.sweep import Sweep
 from esbatch.train import stop
 from esbatch.train.lock import writer_lock
@@ -110,6 +110,8 @@ def run_states(sd: SweepDir, query_scheduler: bool = True) -> list[RunState]:
     for r in sd.read().get("runs", []):
         disk, done, total, reward, heldout = disk_state(sd.run_dir(r["key"]), sd.plan_config(r["key"]))
         state, job = sched.get(r["key"], (None, None))
+        if disk == "pending" and state is None and r["key"] in newest.get(r["key"], {}).get("pids", {}):
+            disk = "missing"  # its local task started (and made the folder), which is gone: trained again
         if job is None and r["key"] in newest and newest[r["key"]].get("kind") != "local":
             job = _job_label(newest[r["key"]])
         out.append(RunState(r["key"], r["label"], combine(disk, state), done, total, reward, heldout, job, state))
@@ -242,12 +244,18 @@ def follow(
         bar.close()
 
 
-def _damage(rd: Any) -> str:
-    try:
-        rd.read_meta()
-    except RunFolderError as e:
-        return str(e)
-    return f"{rd.path}: damaged"
+def folder_notes(sd: SweepDir, states: list[RunState]) -> list[str]:
+    """What `esbatch status`, `sweep` and `aggregate` all say about run folders that are not as planned: damaged
+    (why, and what to do), missing (gone after the run started), and folders the plan no longer holds."""
+    notes = [f"damaged, not resubmitted: {folder_problem(sd.run_dir(s.key))}" for s in states if s.state == "damaged"]
+    notes += [
+        f"missing: {sd.run_dir(s.key).path} is gone (its run had started); `esbatch sweep` trains it again"
+        for s in states
+        if s.state == "missing"
+    ]
+    if extra := sd.unplanned():
+        notes.append(f"not in the grid any more (left as they are, not reported): {', '.join(extra)} in {sd.runs}")
+    return notes
 
 
 def dry_run(sweep: Sweep, out: Any) -> int:
@@ -288,14 +296,13 @@ def _submit_sweep(sweep: Sweep, *, wait: bool, out: Any) -> int:
     print(f"sweep {sweep.name}: {len(sweep.runs)} runs{evals} in {sd.path}", file=out)
     if skipped:
         print("  skipping " + ", ".join(f"{n} {k}" for k, n in sorted(skipped.items())), file=out)
-    for r in sweep.runs:
-        if states[r.key].state == "damaged":
-            print(f"  damaged, not resubmitted: {_damage(sd.run_dir(r.key))}", file=out)
+    for note in folder_notes(sd, list(states.values())):
+        print(f"  {note}", file=out)
     eval_todo, after = evals_to_submit(sweep, states, todo, out)
     if not todo and not eval_todo:
         print("  nothing to submit.", file=out)
         return 0
-    resumed = sum(1 for k in todo if states[k].done > 0 or states[k].state != "pending")
+    resumed = sum(1 for k in todo if states[k].done > 0 or states[k].state not in ("pending", "missing"))
     print(f"  submitting {len(todo)} run(s) ({resumed} resume from their folders)", file=out)
     if eval_todo:
         print(f"  and {len(eval_todo)} eval(s), {len(after)} of them after their run's training", file=out)
@@ -315,9 +322,13 @@ def _submit_sweep(sweep: Sweep, *, wait: bool, out: Any) -> int:
     if wait:
         follow(sd)
         agg_job = records[-1].get("aggregate_job")
-        if agg_job:
-            print(f"  aggregator job {agg_job}: {_wait_job(agg_job)}", file=out)
+        agg_state = _wait_job(agg_job) if agg_job else None
+        if agg_state:
+            print(f"  aggregator job {agg_job}: {agg_state}", file=out)
         print(format_table(run_states(sd)), file=out)
+        if agg_state and agg_state.split()[0] != "COMPLETED":  # its log says why; the runs are safe on disk
+            print(f"error: the aggregator job ended {agg_state}; retry with: esbatch aggregate {sd.path}", file=out)
+            return 1
     return 0
 
 

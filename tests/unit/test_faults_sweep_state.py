@@ -47,6 +47,9 @@ TABLE = {
     ),
     "finished-budget-raised-queued": ({"status": "finished", "done": 4}, "PENDING", "queued", 4, False),
     "damaged": ("damaged", None, "damaged", 0, False),
+    "folder-is-a-file": ("file", None, "damaged", 0, False),
+    "log-without-config": ("no-config", None, "damaged", 0, False),
+    "task-starting": ("starting", "RUNNING", "queued", 0, False),  # .lock and task.log only: no config yet
 }
 
 
@@ -84,8 +87,17 @@ def sweep_with_table(tmp_path, monkeypatch):
     keys = {name: r.key for name, r in zip(TABLE, sw.runs)}
     sched = {}
     for name, (meta, state, *_rest) in TABLE.items():
-        if meta is not None:
-            rd = sd.run_dir(keys[name])
+        rd = sd.run_dir(keys[name])
+        if meta == "file":
+            rd.path.parent.mkdir(parents=True, exist_ok=True)
+            rd.path.write_text("not a folder")
+        elif meta in ("no-config", "starting"):
+            rd.path.mkdir(parents=True)
+            (rd.path / ".lock").write_text("")
+            (rd.path / "task.log").write_text("esbatch task: ...\n")
+            if meta == "no-config":
+                rd.log.write_text('{"t": 0}\n')
+        elif meta is not None:
             rd.path.mkdir(parents=True)
             rd.config.write_text(sd.plan_path(keys[name]).read_text())
             rd.meta.write_text("{not json" if meta == "damaged" else json.dumps({**meta, "last_reward": 0.5}))
@@ -240,3 +252,69 @@ def test_sweep_folder_layout_and_damaged_sweep_record(tmp_path):
     import re
 
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}", now())
+
+
+def test_status_sweep_and_aggregate_say_the_same_about_folders_not_as_planned(sweep_with_table, monkeypatch, capsys):
+    """Damaged folders (each with its reason), a folder gone after its local task started (missing, never
+    finished, whatever MLflow holds), and folders no longer in the grid: the same lines from `status`, `sweep`
+    and `aggregate`."""
+    from mlflow.tracking import MlflowClient
+
+    from esbatch.aggregate.collect import collect
+    from esbatch.cli import main
+    from esbatch.launch.submit import folder_notes
+
+    sw, sd, keys = sweep_with_table
+    gone = keys["new"]
+    with sd.locked() as m:  # the run "new" started under a local launcher whose task is gone (pid 1: not ours)
+        m["submissions"].append({"kind": "local", "job_id": "local-1", "keys": [gone], "pids": {gone: 2**22 + 1}})
+    (sd.runs / "0123abcd").mkdir(parents=True)  # a run of an earlier grid
+    meta = sd.read()
+    client = MlflowClient(meta["tracking_uri"])
+    exp = client.get_experiment_by_name(meta["experiment"]) or client.get_experiment(
+        client.create_experiment(meta["experiment"])
+    )
+    for name in ("new", "damaged", "folder-is-a-file", "log-without-config"):  # MLflow says FINISHED for each
+        run = client.create_run(exp.experiment_id, tags={"esbatch.sweep": meta["name"], "esbatch.run_key": keys[name]})
+        client.set_terminated(run.info.run_id, "FINISHED")
+
+    states = run_states(sd)
+    by_key = {s.key: s.state for s in states}
+    assert by_key[gone] == "missing"
+    notes = folder_notes(sd, states)
+    assert len(notes) == 5 and sum(n.startswith("damaged, not resubmitted: ") for n in notes) == 3
+    assert f"missing: {sd.run_dir(gone).path} is gone" in notes[3]
+    assert "not in the grid any more" in notes[4] and "0123abcd" in notes[4]
+    assert "not a folder" in notes[0] + notes[1] + notes[2] and "but no config.yaml" in " ".join(notes)
+
+    assert main(["status", str(sd.path)]) == 0
+    out = capsys.readouterr().out
+    assert all(n in out for n in notes), out
+
+    results = {r.key: r.status for r in collect(sd, states=states)}
+    for name in ("damaged", "folder-is-a-file", "log-without-config"):
+        assert results[keys[name]] == "damaged", name  # never MLflow's "finished"
+    assert results[gone] == "missing"
+    assert {k: v for k, v in results.items() if v == "finished"} == {keys["finished"]: "finished"} | {
+        keys["finished-old-job-failed"]: "finished"
+    }
+
+    launcher = LauncherDouble()
+    monkeypatch.setattr(submit, "launcher_for", lambda profile: launcher)
+    out = io.StringIO()
+    assert submit_sweep(sw, out=out) == 0
+    assert all(n in out.getvalue() for n in notes), out.getvalue()
+    assert gone in launcher.submitted[0]  # trained again
+
+
+def test_a_runs_path_that_is_not_a_folder_is_named_by_every_reader(sweep_with_table, capsys):
+    from esbatch.cli import main
+
+    _, sd, _ = sweep_with_table
+    runs = sd.runs
+    runs.rename(sd.path / "runs.moved")
+    runs.write_text("")
+    for argv in (["status", str(sd.path)], ["aggregate", str(sd.path)]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"{runs}: not a folder" in err and "Traceback" not in err, err
