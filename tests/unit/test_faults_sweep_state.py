@@ -318,3 +318,23 @@ def test_a_runs_path_that_is_not_a_folder_is_named_by_every_reader(sweep_with_ta
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert f"{runs}: not a folder" in err and "Traceback" not in err, err
+
+
+def test_a_failed_aggregation_makes_the_sweep_exit_non_zero(tmp_path, monkeypatch, capsys):
+    import esbatch.aggregate.collect as collect_mod
+    import esbatch.cli as cli
+
+    spec = {"name": "t", "base": "quickstart", "output_dir": str(tmp_path / "out"), "seeds": [0]}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    monkeypatch.setattr(cli, "submit_sweep", lambda sweep, wait=False: 0)  # the runs went well
+
+    def broken(sweep_dir):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(collect_mod, "aggregate", broken)
+    assert cli.main(["sweep", str(tmp_path / "s.yaml"), "--launcher", "local"]) == 1
+    err = capsys.readouterr().err
+    assert "error: aggregation failed (OSError: [Errno 28] No space left on device)" in err
+    assert "retry with: esbatch aggregate" in err
+    monkeypatch.setattr(collect_mod, "aggregate", lambda sweep_dir: tmp_path)
+    assert cli.main(["sweep", str(tmp_path / "s.yaml"), "--launcher", "local"]) == 0
