@@ -26,6 +26,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import yaml
 
 from esbatch import durable
 
@@ -424,6 +425,50 @@ def eval_config(root: Path, request: pytest.FixtureRequest) -> Callable[[], Any]
     return lambda: evaluate(cfg, progress=False)
 
 
+def _trained(root: Path, request: pytest.FixtureRequest, **sections: Any) -> Any:
+    """A run folder as training leaves it after one update (config.yaml, run.json, center.safetensors), by hand."""
+    from safetensors.torch import load_file
+
+    rd, d = _rundir(root), _toy(request, **sections)
+    d["model"]["name"] = str(request.getfixturevalue("tiny_model_dir"))
+    rd.config.write_text(yaml.safe_dump(d))
+    rd.meta.write_text(json.dumps({"status": "finished", "algorithm": d.get("algorithm", "es"), "done": 1}))
+    base = load_file(str(next(Path(d["model"]["name"]).glob("*.safetensors"))))
+    rd.save_center({k: v.float() * 1.01 for k, v in base.items()}, 1)
+    return rd
+
+
+def stored_center(root: Path, request: pytest.FixtureRequest) -> Callable[[], Any]:
+    """`esbatch center RUN --at T -o FILE` of a GRPO run: its stored center copied out."""
+    from esbatch.eval.center import center_at
+
+    rd = _trained(root, request, algorithm="grpo", es=None, es_updates=None, grpo={"updates": 1})
+    (root / "out.safetensors").write_bytes(b"old")
+    return lambda: center_at(rd.path, 1, root / "out.safetensors")
+
+
+def thresholded(root: Path, request: pytest.FixtureRequest) -> Callable[[], Any]:
+    """`esbatch threshold RUN --tau T`: s_tau.json and config.yaml beside the thresholded center."""
+    from esbatch.analyze.threshold import ensure_thresholded
+
+    rd = _trained(root, request)
+    return lambda: ensure_thresholded(rd.path, 0.005)
+
+
+def threshold_curve(root: Path, request: pytest.FixtureRequest) -> Callable[[], Any]:
+    """Figure 4's table (the CSV beside the PNG) from an eval of a run."""
+    from esbatch.analyze.threshold import plot_threshold_curve
+
+    rd = _rundir(root)
+    rd.config.write_text(yaml.safe_dump(_toy(request)))
+    ev = root / "ev"
+    ev.mkdir()
+    (ev / "metrics.json").write_text(json.dumps({"tasks": {"toy:DigitTask": {"pass@1": 0.5}}}))
+    (ev / "config.yaml").write_text(yaml.safe_dump({"checkpoint": str(rd.path)}))
+    (root / "curve.csv").write_text("old\n")
+    return lambda: plot_threshold_curve([ev], root / "curve.png")
+
+
 @dataclass(frozen=True)
 class Case:
     site: tuple[str, str]
@@ -453,6 +498,9 @@ CASES = {
     "eval tables": Case(("esbatch/eval/runner.py", "write_tables"), eval_tables),
     "eval passk": Case(("esbatch/eval/runner.py", "summarize"), eval_summary),
     "eval config": Case(("esbatch/eval/runner.py", "evaluate"), eval_config),
+    "stored center": Case(("esbatch/eval/center.py", "_write_center"), stored_center, LIB),
+    "s_tau.json": Case(("esbatch/analyze/threshold.py", "_threshold_run"), thresholded),
+    "threshold curve": Case(("esbatch/analyze/threshold.py", "plot_threshold_curve"), threshold_curve),
 }
 
 
@@ -487,10 +535,7 @@ def test_a_fault_at_each_writer_leaves_the_old_or_the_new_file_and_no_tmp(tmp_pa
 
 # ------------------------------------------------------------------------------------------------ static checks
 UNREACHED = {  # durable call sites no unit-tier case reaches, and where they are exercised
-    ("esbatch/eval/center.py", "_write_center"): "a GRPO run's stored center copied out (tests/integration)",
     ("esbatch/eval/runner.py", "log_to_mlflow"): "mlflow.json after an eval's MLflow run (test_eval_runner.py)",
-    ("esbatch/analyze/threshold.py", "_threshold_run"): "a thresholded checkpoint (test_sweep_threshold.py)",
-    ("esbatch/analyze/threshold.py", "plot_threshold_curve"): "Figure 4 of evals of thresholded runs (integration)",
     ("esbatch/launch/task.py", "run_task"): "a sweep task resuming its run (a process: tests/integration)",
     ("esbatch/launch/task.py", "run_eval_task"): "a sweep's eval task, source.json (a process: tests/integration)",
     ("esbatch/pipeline.py", "Pipeline.run"): "a resumed pipeline's config.yaml (stages are processes: integration)",
