@@ -469,6 +469,43 @@ def threshold_curve(root: Path, request: pytest.FixtureRequest) -> Callable[[], 
     return lambda: plot_threshold_curve([ev], root / "curve.png")
 
 
+def _pipeline(root: Path, request: pytest.FixtureRequest, threads: int = 1) -> Any:
+    from esbatch.config import config_from_dict
+
+    d = _toy(request, algorithm="pipeline", es_updates=None)
+    d["pipeline"] = {"stages": ["es", "grpo"], "updates": 2}
+    d["run"] = {**d["run"], "output_dir": str(root), "threads": threads}
+    d["tracking"] = {"uri": f"sqlite:///{root / 'mlflow.db'}"}
+    return config_from_dict(d)
+
+
+def pipeline_stage(root: Path, request: pytest.FixtureRequest) -> Callable[[], Any]:
+    """A pipeline writes each stage's config file before it starts the stage (here the fault stops it first)."""
+    from esbatch.train import train
+
+    cfg = _pipeline(root, request)
+    return lambda: train(cfg, root / "run", progress=False)
+
+
+def pipeline_resume(root: Path, request: pytest.FixtureRequest) -> Callable[[], Any]:
+    """A resumed pipeline rewrites its config.yaml (what a resume may change) before its stages."""
+    import esbatch.pipeline
+    from esbatch.train import train
+
+    class Stopped(Exception):
+        pass
+
+    def stop(*args: Any) -> None:
+        raise Stopped
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(esbatch.pipeline, "_run_stage", stop)
+        with pytest.raises(Stopped):
+            train(_pipeline(root, request), root / "run", progress=False)
+    cfg = _pipeline(root, request, threads=2)
+    return lambda: train(cfg, root / "run", resume=True, progress=False)
+
+
 @dataclass(frozen=True)
 class Case:
     site: tuple[str, str]
@@ -500,6 +537,8 @@ CASES = {
     "eval config": Case(("esbatch/eval/runner.py", "evaluate"), eval_config),
     "stored center": Case(("esbatch/eval/center.py", "_write_center"), stored_center, LIB),
     "s_tau.json": Case(("esbatch/analyze/threshold.py", "_threshold_run"), thresholded),
+    "pipeline stage": Case(("esbatch/pipeline.py", "_run_stage"), pipeline_stage),
+    "pipeline resume": Case(("esbatch/pipeline.py", "Pipeline.run"), pipeline_resume),
     "threshold curve": Case(("esbatch/analyze/threshold.py", "plot_threshold_curve"), threshold_curve),
 }
 
@@ -538,8 +577,6 @@ UNREACHED = {  # durable call sites no unit-tier case reaches, and where they ar
     ("esbatch/eval/runner.py", "log_to_mlflow"): "mlflow.json after an eval's MLflow run (test_eval_runner.py)",
     ("esbatch/launch/task.py", "run_task"): "a sweep task resuming its run (a process: tests/integration)",
     ("esbatch/launch/task.py", "run_eval_task"): "a sweep's eval task, source.json (a process: tests/integration)",
-    ("esbatch/pipeline.py", "Pipeline.run"): "a resumed pipeline's config.yaml (stages are processes: integration)",
-    ("esbatch/pipeline.py", "_run_stage"): "a pipeline stage's config file (stages are processes: integration)",
 }
 
 
