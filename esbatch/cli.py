@@ -1,8 +1,8 @@
 """The `esbatch` command line: train, sweep, status, cancel, aggregate, eval, center, eval-plot, flops, validate, ls,
 plot, analyze (drift, diversity, threshold-curve), threshold, diagnose (kappa).
 
-What `--help`, `ls`, `validate` and `sweep --dry-run` load anyway is imported here; the eval, analyze, aggregate
-and diagnose machinery is imported by its subcommand, so that those light commands start fast."""
+Every subcommand's module is imported here; none loads torch, transformers, mlflow or matplotlib at import (they
+do inside the functions that need them), so `esbatch --help` stays fast."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ from typing import Any
 
 import esbatch
 from esbatch import durable
+from esbatch.aggregate.collect import aggregate
+from esbatch.aggregate.plots import plot_runs
+from esbatch.analyze.diversity import DiversityInputError, analyze
+from esbatch.analyze.drift import analyze_drift, table4_rows
+from esbatch.analyze.threshold import S_TAU, plot_threshold_curve, threshold_run
 from esbatch.backends import BACKENDS
 from esbatch.config import RESUME_OVERRIDABLE, ConfigError, load_config, load_run_config
 from esbatch.config.aggregate import parse_specs
@@ -28,7 +33,11 @@ from esbatch.config.launcher import load_profile
 from esbatch.config.loader import KINDS, available, find, find_all, noun, read_yaml
 from esbatch.config.reference import schema_text
 from esbatch.diagnose.protocol import OBJECTIVES, SEED_MODES, KappaProtocol, planned_evaluations, run_kappa
+from esbatch.diagnose.report import write_outputs
 from esbatch.es.config import ESConfig, backend_setup
+from esbatch.eval.center import center_at
+from esbatch.eval.plots import plot_pareto, plot_passk
+from esbatch.eval.runner import EvalDir, evaluate
 from esbatch.grpo.config import GRPOConfig
 from esbatch.launch.base import LAUNCHERS
 from esbatch.launch.state import SweepDir, folder_problem
@@ -253,7 +262,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _aggregate_after_sweep(sweep_dir: Path) -> int:
     """Aggregate a sweep that has run; 1 (and why, and how to retry) when that fails: the runs are safe on disk."""
-    from esbatch.aggregate.collect import aggregate
 
     try:
         print(f"results: {aggregate(sweep_dir)}")
@@ -308,8 +316,6 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_aggregate(args: argparse.Namespace) -> int:
-    from esbatch.aggregate.collect import aggregate
-
     out = aggregate(_sweep_dir(args.sweep, args.name))
     print(f"results: {out}")
     for f in sorted(out.glob("*.md")):
@@ -322,8 +328,6 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from esbatch.eval.runner import EvalDir, evaluate
-
     overrides = list(args.overrides)
     if args.recompute:
         ed = EvalDir(args.recompute)
@@ -353,8 +357,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_center(args: argparse.Namespace) -> int:
-    from esbatch.eval.center import center_at
-
     if args.at < 0:
         return _err(f"--at {args.at}: give an update count >= 0 (0 = the run's theta_0)")
     out = center_at(args.run_dir, args.at, args.out)
@@ -365,8 +367,6 @@ def cmd_center(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_plot(args: argparse.Namespace) -> int:
-    from esbatch.eval.plots import plot_pareto, plot_passk
-
     missing = [d for d in args.eval_dirs if not (Path(d) / "metrics.json").exists()]
     if missing:
         return _err(f"{missing[0]} is not a finished eval folder (no metrics.json)")
@@ -421,8 +421,6 @@ def _measure_model(cfg: TrainConfig, params: int | None, prompt_tokens: float | 
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from esbatch.aggregate.plots import plot_runs
-
     for d in args.run_dirs:  # the same words as `esbatch status`, `sweep` and `aggregate`
         if problem := folder_problem(RunDir(d)):
             return _err(f"damaged: {problem}")
@@ -443,8 +441,6 @@ def _bad_taus(taus: list[float]) -> str | None:
 
 
 def cmd_analyze_drift(args: argparse.Namespace) -> int:
-    from esbatch.analyze.drift import analyze_drift, table4_rows
-
     if why := _bad_taus(args.tau):
         return _err(why)
     if args.top_k < 1 or args.bins_per_decade < 1:
@@ -472,8 +468,6 @@ def cmd_analyze_drift(args: argparse.Namespace) -> int:
 
 
 def cmd_threshold_curve(args: argparse.Namespace) -> int:
-    from esbatch.analyze.threshold import plot_threshold_curve
-
     try:
         png, table = plot_threshold_curve(args.eval_dirs, args.output, task=args.task)
     except ValueError as e:
@@ -483,8 +477,6 @@ def cmd_threshold_curve(args: argparse.Namespace) -> int:
 
 
 def cmd_threshold(args: argparse.Namespace) -> int:
-    from esbatch.analyze.threshold import S_TAU, threshold_run
-
     if why := _bad_taus(args.tau):
         return _err(why)
     for folder in threshold_run(args.run_dir, args.tau, base_dtype=args.base_dtype):
@@ -608,8 +600,6 @@ def cmd_diagnose_kappa(args: argparse.Namespace) -> int:
         bar.close()
         backend.close()
 
-    from esbatch.diagnose.report import write_outputs
-
     paths = write_outputs(cells, out)
     durable.write_text(out / "config.yaml", cfg.to_yaml())
     durable.write_text(out / "protocol.json", json.dumps(dataclasses.asdict(proto), indent=2) + "\n")
@@ -619,8 +609,6 @@ def cmd_diagnose_kappa(args: argparse.Namespace) -> int:
 
 
 def cmd_analyze_diversity(args: argparse.Namespace) -> int:
-    from esbatch.analyze.diversity import DiversityInputError, analyze
-
     try:
         files = analyze(args.run_dirs, args.out)
     except DiversityInputError as e:

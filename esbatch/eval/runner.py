@@ -26,6 +26,7 @@ from esbatch.backends import BACKENDS
 from esbatch.config import flatten, load_run_config
 from esbatch.config.eval import EvalConfig, EvalTask
 from esbatch.eval.center import center_at, newest_t, stored_center
+from esbatch.eval.plots import plot_passk
 from esbatch.metrics import pass_at_k
 from esbatch.tasks import TASKS
 from esbatch.tasks.base import Example
@@ -405,8 +406,6 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, recompute: bool = False)
         tokens_per_s=tok / gs if gs else None,
     )
     durable.write_text(ed.path / "metrics.json", json.dumps(summary, indent=1))
-    from esbatch.eval.plots import plot_passk
-
     plot_passk([ed.path], ed.path / "passk.png")
     summary["mlflow_run_id"] = log_to_mlflow(cfg, ed, src, summary)
     durable.write_text(ed.path / "metrics.json", json.dumps(summary, indent=1))
