@@ -20,7 +20,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -89,7 +89,7 @@ class Faults:
 
     site: tuple[str, str] | None
     point: str | None
-    sites: list[tuple[str, str]]
+    sites: list[tuple[str, str]] = field(default_factory=list)  # the call site of every durable write
     fired: bool = False
     target: Path | None = None
     old: bytes | None = None
@@ -177,7 +177,7 @@ def test_a_fault_leaves_the_old_or_the_new_file_and_no_tmp(tmp_path, monkeypatch
     new = b'{"new": [' + b"1, " * 5000 + b"2]}\n"
     if fn == "replacing" and point == "write":
         pytest.skip("the block writes the tmp file itself (a library's save): no durable write to fail")
-    faults = Faults(None, point, [])
+    faults = Faults(None, point)
     faults.install(monkeypatch)
     with pytest.raises(Injected):
         WRITERS[fn](target, new)
@@ -601,7 +601,7 @@ def _injected(e: BaseException | None) -> bool:
 def test_a_fault_at_each_writer_leaves_the_old_or_the_new_file_and_no_tmp(tmp_path, monkeypatch, request, name, point):
     case = CASES[name]
     op = case.setup(tmp_path, request)
-    faults = Faults(case.site, point, [])
+    faults = Faults(case.site, point)
     faults.install(monkeypatch)
     raised: BaseException | None = None
     try:
