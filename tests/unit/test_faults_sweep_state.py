@@ -321,7 +321,6 @@ def test_a_runs_path_that_is_not_a_folder_is_named_by_every_reader(sweep_with_ta
 
 
 def test_a_failed_aggregation_makes_the_sweep_exit_non_zero(tmp_path, monkeypatch, capsys):
-    import esbatch.aggregate.collect as collect_mod
     import esbatch.cli as cli
 
     spec = {"name": "t", "base": "quickstart", "output_dir": str(tmp_path / "out"), "seeds": [0]}
@@ -331,10 +330,10 @@ def test_a_failed_aggregation_makes_the_sweep_exit_non_zero(tmp_path, monkeypatc
     def broken(sweep_dir):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(collect_mod, "aggregate", broken)
+    monkeypatch.setattr(cli, "aggregate", broken)
     assert cli.main(["sweep", str(tmp_path / "s.yaml"), "--launcher", "local"]) == 1
     err = capsys.readouterr().err
     assert "error: aggregation failed (OSError: [Errno 28] No space left on device)" in err
     assert "retry with: esbatch aggregate" in err
-    monkeypatch.setattr(collect_mod, "aggregate", lambda sweep_dir: tmp_path)
+    monkeypatch.setattr(cli, "aggregate", lambda sweep_dir: tmp_path)
     assert cli.main(["sweep", str(tmp_path / "s.yaml"), "--launcher", "local"]) == 0
