@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from esbatch.config.aggregate import parse_specs
-from esbatch.schema import ConfigError, Invalid, Schema, expects, folder_name, setting
+from esbatch.schema import ConfigError, Invalid, Schema, expects, flatten, folder_name, setting
 
 
 @expects("an eval config name or path, or a non-empty list of them")
@@ -149,6 +149,30 @@ class SweepFile(Schema):
                 parse_specs(self.aggregate, "aggregate")
             except ConfigError as e:
                 errors.extend(e.errors)
+        errors.extend(axis_overlaps(self))
+
+
+def axis_overlaps(sweep: SweepFile) -> list[str]:
+    """A config key varied by two axes (grid and zip, two zip groups, seeds and run.seed, a method's overrides
+    and an axis): one axis's values would override the other's and the points would collapse."""
+    axes: dict[str, list[str]] = {}
+    for key in sweep.grid:
+        axes.setdefault(key, []).append("grid")
+    for i, group in enumerate(sweep.zip):
+        for key in group if isinstance(group, dict) else ():
+            axes.setdefault(key, []).append(f"zip[{i}]")
+    if sweep.seeds is not None:
+        axes.setdefault("run.seed", []).append("seeds")
+    for name, overrides in sweep.methods.items():
+        for key in flatten(overrides) if isinstance(overrides, dict) else ():
+            if key in axes:
+                axes[key].append(f"methods.{name}")
+    return [
+        f"{key}: varied by {' and '.join(where)}; one axis per key (the later one would override the other's "
+        "values and collapse the grid's points)"
+        for key, where in axes.items()
+        if len(where) > 1
+    ]
 
 
 SWEEP_KEYS = {f.name: f.metadata["help"] for f in dataclasses.fields(SweepFile)}

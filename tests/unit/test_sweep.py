@@ -1,5 +1,6 @@
 """Sweep files, launcher profiles, run ids, sbatch rendering and scheduler-state parsing (no SLURM needed)."""
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -272,3 +273,38 @@ def test_run_key_survives_new_config_fields_with_defaults(tmp_path):
     assert run_key(ext) == key
     ext.run.new_knob = 4
     assert run_key(ext) != key
+
+
+SIGMA = {  # each way a sweep file varies es.sigma
+    "grid": {"grid": {"es.sigma": [0.01, 0.02]}},
+    "zip[0]": {"zip": [{"es.sigma": [0.01, 0.02], "es.alpha": [0.1, 0.2]}]},
+    "methods.A": {"methods": {"A": {"es": {"sigma": 0.03}}, "B": {"es": {"alpha": 0.3}}}},
+}
+SEED = {  # and run.seed, which `seeds` varies too
+    "grid": {"grid": {"run.seed": [3, 4]}},
+    "zip[0]": {"zip": [{"run.seed": [3, 4]}]},
+    "methods.A": {"methods": {"A": {"run": {"seed": 5}}, "B": {}}},
+}
+PAIRS = [(a, b, SIGMA) for a, b in itertools.combinations(SIGMA, 2)] + [("seeds", b, SEED) for b in SEED]
+
+
+@pytest.mark.parametrize("first, second, axes", PAIRS, ids=[f"{a}+{b}" for a, b, _ in PAIRS])
+def test_a_key_varied_by_two_axes_is_refused_naming_both(tmp_path, first, second, axes):
+    one = {"seeds": [0, 1]} if first == "seeds" else axes[first]
+    data = base(tmp_path, **one, **axes[second])
+    with pytest.raises(ConfigError) as e:
+        load_sweep(str(write(tmp_path, data)))
+    key = "run.seed" if axes is SEED else "es.sigma"
+    msg = next(m for m in e.value.errors if "one axis per key" in m)
+    assert msg.startswith(f"{key}: varied by ") and first in msg and second in msg, msg
+
+
+def test_different_keys_on_different_axes_and_methods_alone_are_fine(tmp_path):
+    data = base(
+        tmp_path,
+        grid={"es.population_size": [4, 8]},
+        zip=[{"es.sigma": [0.01, 0.02]}],
+        seeds=[0],
+        methods={"A": {"es": {"alpha": 0.1}}, "B": {"es": {"alpha": 0.2}}},
+    )
+    assert len(load_sweep(str(write(tmp_path, data))).runs) == 2 * 2 * 2
