@@ -28,7 +28,7 @@ from esbatch import durable
 from esbatch.backends import BACKENDS
 from esbatch.schema import setting
 from esbatch.train import stop
-from esbatch.train.config import ALGORITHMS, Algorithm, TrainConfig
+from esbatch.train.config import ALGORITHMS, Algorithm, RunTarget, TrainConfig
 from esbatch.train.lifecycle import RunSession
 from esbatch.train.rundir import RunDir
 
@@ -127,19 +127,11 @@ class Pipeline(Algorithm):
         return cfg.section(PipelineConfig).updates
 
     @classmethod
-    def run(
-        cls,
-        cfg: TrainConfig,
-        run_dir: Path,
-        *,
-        resume: bool,
-        progress: bool,
-        run_name: str | None,
-        tags: dict[str, str],
-    ) -> dict[str, Any]:
+    def run(cls, cfg: TrainConfig, target: RunTarget) -> dict[str, Any]:
         """Run the stages in order; returns a summary with each stage's folder and MLflow run."""
-        with RunSession(cfg, run_dir, resume=resume, run_name=run_name, tags=tags, logs_updates=False) as run:
-            if resume:  # budgets may have changed (RESUME_OVERRIDABLE): the folder keeps the current config
+        t = target
+        with RunSession(cfg, t.run_dir, resume=t.resume, run_name=t.run_name, tags=t.tags, logs_updates=False) as run:
+            if t.resume:  # budgets may have changed (RESUME_OVERRIDABLE): the folder keeps the current config
                 durable.write_text(run.rd.config, cfg.to_yaml())
             p = cfg.section(PipelineConfig)
             total = p.updates
@@ -150,7 +142,7 @@ class Pipeline(Algorithm):
             for rd, sc in stages:
                 stop.check()  # between stages; a running stage gets the stop passed on (_run_stage)
                 if rd.read_meta().get("status") != "finished":
-                    _run_stage(run, rd, sc, done_before, progress)
+                    _run_stage(run, rd, sc, done_before, t.progress)
                 done_before += ALGORITHMS.get(sc.algorithm).planned_budget(sc)
                 run.rd.write_meta(done=done_before)
                 summaries.append({"name": rd.path.name, "run_dir": str(rd.path), **_ids(rd)})

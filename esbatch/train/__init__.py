@@ -1,14 +1,14 @@
 """The run lifecycle every algorithm shares (lifecycle.py), and what it is made of: the run folder
 (rundir.py), the data schedule (schedule.py), problems and rewards (problems.py), FLOP accounting
-(flops.py), ranks (ranks.py), the stop policy (stop.py) and the algorithm registry (algorithms.py)."""
+(flops.py), ranks (ranks.py), the stop policy (stop.py), and the run config with the algorithm registry
+(config.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from esbatch.train.config import TrainConfig
+from esbatch.train.config import RunTarget, TrainConfig
 
 
 def train(
@@ -25,4 +25,4 @@ def train(
     ``run_name`` and ``tags`` go to the MLflow run (a sweep passes its label, parent run and SLURM ids).
     """
     algo = cfg.algo()
-    return algo.run(cfg, Path(run_dir), resume=resume, progress=progress, run_name=run_name, tags=tags or {})
+    return algo.run(cfg, RunTarget(Path(run_dir), resume, progress, run_name, tags or {}))

@@ -123,6 +123,18 @@ class TrainConfig(Schema):
             errors.append(f"eval.tasks: backend.name {self.backend.name} cannot serve in-training evaluations: {why}")
 
 
+@dataclasses.dataclass(frozen=True)
+class RunTarget:
+    """Where and how a run trains: its folder, whether it resumes that folder, a progress bar, and the MLflow
+    run's name and tags (a sweep passes its label, parent run and SLURM ids)."""
+
+    run_dir: Path
+    resume: bool = False
+    progress: bool = True
+    run_name: str | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+
+
 class Algorithm:
     """A training algorithm as the rest of esbatch sees it. Class-level: nothing is instantiated."""
 
@@ -189,17 +201,8 @@ class Algorithm:
         return max(1, round(sec.epochs * per_epoch))
 
     @classmethod
-    def run(
-        cls,
-        cfg: TrainConfig,
-        run_dir: Path,
-        *,
-        resume: bool,
-        progress: bool,
-        run_name: str | None,
-        tags: dict[str, str],
-    ) -> dict[str, Any]:
-        """Train (or resume) into ``run_dir``; returns the summary (on rank 0; other ranks: {"rank": r}).
+    def run(cls, cfg: TrainConfig, target: RunTarget) -> dict[str, Any]:
+        """Train (or resume) into ``target.run_dir``; returns the summary (on rank 0; other ranks: {"rank": r}).
         Algorithms that train update by update subclass ``UpdateAlgorithm`` (lifecycle.py), which does this."""
         raise NotImplementedError(f"algorithm {cls.name!r} does not say how it runs: subclass UpdateAlgorithm")
 

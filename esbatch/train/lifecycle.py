@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from esbatch import durable
 from esbatch.tracking import MLflowTracker, NullTracker, default_tracking_uri, parent_tag, run_tags, spool_path
 from esbatch.train import fingerprint, stop
-from esbatch.train.config import Algorithm, TrainConfig
+from esbatch.train.config import Algorithm, RunTarget, TrainConfig
 from esbatch.train.lock import writer_lock
 from esbatch.train.ranks import Ranks, collective_timeout_min, init_ranks
 from esbatch.train.rundir import RunDir
@@ -423,19 +423,11 @@ class UpdateAlgorithm(Algorithm):
     ``run_updates`` the ``Trainer`` it builds (ES, GRPO)."""
 
     @classmethod
-    def run(
-        cls,
-        cfg: TrainConfig,
-        run_dir: Path,
-        *,
-        resume: bool,
-        progress: bool,
-        run_name: str | None,
-        tags: dict[str, str],
-    ) -> dict[str, Any]:
+    def run(cls, cfg: TrainConfig, target: RunTarget) -> dict[str, Any]:
         ranks = cls.join_ranks(cfg)
-        with RunSession(cfg, run_dir, resume=resume, ranks=ranks, run_name=run_name, tags=tags) as session:
-            return run_updates(session, cls.trainer(cfg, session), progress)
+        t = target
+        with RunSession(cfg, t.run_dir, resume=t.resume, ranks=ranks, run_name=t.run_name, tags=t.tags) as session:
+            return run_updates(session, cls.trainer(cfg, session), t.progress)
 
     @classmethod
     def join_ranks(cls, cfg: TrainConfig) -> Ranks:
