@@ -29,7 +29,6 @@ from esbatch.backends.base import Generation, PerturbedMember, PopulationOutput,
 from esbatch.backends.config import ESSetup
 from esbatch.backends.dispatch import Claim
 from esbatch.backends.hf import HFBackend
-from esbatch.perturb import DEFAULT_NOISE
 from esbatch.perturb.lowrank import LowRankWeights
 
 
@@ -243,18 +242,9 @@ class HFLowRankBackend(HFBackend):
     and the whole population generated in batched calls (LowRankPopulation above, docs/lowrank.md)."""
 
     def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        *,
-        batch_size: int = 64,
-        track_drift: bool = True,
-        restore: str = "exact",
-        noise: str = DEFAULT_NOISE,
-        rank: int = 1,
-        vectors: str = "full",
-        master: str = "device",
-    ) -> None:
+        self, model: Any, tokenizer: Any, *, rank: int = 1, vectors: str = "full", **options: Any
+    ) -> None:  # options: HFBackend's (batch_size, track_drift, restore, noise, master)
+        master, restore = options.get("master", "device"), options.get("restore", "exact")
         if master != "device":
             raise ValueError(f"es.perturbation: lowrank needs es.master: device (got {master})")
         if restore != "exact":
@@ -263,8 +253,8 @@ class HFLowRankBackend(HFBackend):
                 "the weights, and the update is accumulated on the fp32 center"
             )
         self.rank, self.vectors = rank, vectors
-        super().__init__(model, tokenizer, batch_size=batch_size, track_drift=track_drift, restore=restore, noise=noise)
-        self.population = LowRankPopulation(model, self.weights, batch_size)
+        super().__init__(model, tokenizer, **options)
+        self.population = LowRankPopulation(model, self.weights, self.batch_size)
 
     def make_weights(self, params: dict[str, torch.Tensor], restore: str, track_drift: bool, noise: str) -> Any:
         return LowRankWeights(params, track_drift, noise, self.rank, self.vectors)
