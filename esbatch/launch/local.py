@@ -4,6 +4,13 @@ Same task code as on SLURM (``python -m esbatch.launch.task SWEEP KEY``), no sch
 foreground with a progress display. A stop (Ctrl-C, SIGTERM; esbatch/train/stop.py) is passed on to the
 running tasks once, which stop between updates and mark their runs killed; no new task starts, and the
 next ``esbatch sweep`` resumes them from their folders.
+
+A driver that dies without passing the stop on (SIGKILL, the OOM killer) leaves no task running unsupervised on
+Linux: each task asks the kernel for SIGTERM when its driver dies (``PR_SET_PDEATHSIG``, ``_SUPERVISED``), the same
+graceful stop. Without prctl (not Linux) a task outlives its driver: sweep.json names it (its submission's
+``pids``) and SIGTERM (``kill PID``; ``esbatch cancel`` where /proc exists) stops it the same way. Either way a run
+folder has one writer: a re-run of the sweep leaves a task it sees alive alone, and a task it starts beside an
+unrecorded survivor exits 2 (folder busy) at the run's writer lock (esbatch/train/lock.py), having written nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +27,28 @@ from typing import Any, ClassVar
 from esbatch.launch.base import Launcher
 from esbatch.launch.state import SweepDir, now
 from esbatch.train import stop
+
+# What the local launcher runs in place of ``python -m esbatch.launch.task`` on Linux (argv: the driver's pid, then
+# the task's python arguments): ask the kernel to send SIGTERM when the driver dies, then become the task (execv keeps
+# the request; the task's own handler, esbatch/train/stop.py, makes it the graceful stop that marks the run killed).
+# A wrapper, not preexec_fn, which is not safe in a process with threads. The classic race: a driver that died before
+# prctl ran sends nothing, so the parent pid is checked after it; a changed one means the driver is gone: the task
+# is not started. SIGTERM before the task has installed its handler (while it imports) ends it at once, before it
+# has written anything. Standard library only: it starts in milliseconds.
+_SUPERVISED = """\
+import ctypes, os, signal, sys
+driver, task = int(sys.argv[1]), sys.argv[2:]
+PR_SET_PDEATHSIG = 1
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+    print(f"esbatch: prctl(PR_SET_PDEATHSIG) failed ({os.strerror(ctypes.get_errno())}): this task goes on if the "
+          "sweep driver dies (esbatch cancel stops it)", file=sys.stderr, flush=True)
+if os.getppid() != driver:
+    print(f"esbatch: the sweep driver (pid {driver}) ended before this task started; not starting it",
+          file=sys.stderr, flush=True)
+    sys.exit(130)
+os.execv(sys.executable, [sys.executable, *task])
+"""
 
 
 class LocalLauncher(Launcher):
@@ -100,9 +129,16 @@ class LocalLauncher(Launcher):
             env["OMP_NUM_THREADS"] = str(self.profile.cpus_per_task)
         log_path = sd.task_log(key)
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "esbatch.launch.task", str(sd.path), key]
+        if sys.platform.startswith("linux"):  # the task gets SIGTERM when the driver dies (_SUPERVISED)
+            # The kernel sends it when the *thread* that forked the task ends, not the process: this one, which runs
+            # submit() (the main thread under `esbatch sweep`) and leaves it only once every task it started has
+            # ended, so the signal comes only when the driver dies, or when submit() ends by an exception with tasks
+            # still running (nobody would watch them either). Never start tasks from a short-lived thread.
+            cmd = [sys.executable, "-c", _SUPERVISED, str(os.getpid()), *cmd[1:]]
         with open(log_path, "a") as log:
             return subprocess.Popen(
-                [sys.executable, "-m", "esbatch.launch.task", str(sd.path), key],
+                cmd,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
