@@ -81,7 +81,7 @@ class Spool:
     def pending(self) -> bool:
         try:
             return self.path.stat().st_size > 0
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no spool, or no run folder (the reader names that)
             return False
 
     @contextlib.contextmanager
