@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import signal
@@ -52,7 +53,7 @@ from esbatch.launch.submit import (
     submit_sweep,
 )
 from esbatch.launch.sweep import load_sweep
-from esbatch.models import DTYPES, MODELS, load_model_and_tokenizer
+from esbatch.models import DTYPES, MODELS, ModelFileError, load_model_and_tokenizer
 from esbatch.registry import UnknownNameError
 from esbatch.tasks import TASKS
 from esbatch.tasks.verify import ScoringError
@@ -771,6 +772,7 @@ def _diagnose_commands(sub: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="esbatch", description="ES and GRPO post-training for LLM reasoning.")
     p.add_argument("--version", action="version", version=f"esbatch {esbatch.__version__}")
+    p.add_argument("--debug", action="store_true", help="Show the traceback of an error instead of one paragraph.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for add in (
         _training_commands,
@@ -784,6 +786,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+STORAGE_ADVICE = {
+    errno.ENOSPC: "The disk is full: free space (df -h), then resume; nothing already written is lost",
+    errno.EDQUOT: "Your disk quota is used up: free space (quota -s), then resume",
+    errno.EACCES: "No permission: check the folder's owner and mode (ls -ld), then resume",
+    errno.EPERM: "Not permitted (an immutable file? lsattr): clear it (chattr -i) or move the folder, then resume",
+    errno.EROFS: "The file system is read-only: put output_dir on a writable one",
+}
+
+
+def storage_message(e: OSError) -> str:
+    """One paragraph for an I/O failure: the file, what happened, what to do (`--debug` shows the traceback)."""
+    where = e.filename or "a file"
+    return f"{where}: {e.strerror or e}. {STORAGE_ADVICE[e.errno]} (--debug shows where it happened)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -793,12 +810,19 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except ConfigError as e:
+    except (ConfigError, UnknownNameError, FileExistsError, FileNotFoundError, RunFolderError) as e:
+        if args.debug:
+            raise
         return _err(str(e))
-    except (UnknownNameError, FileExistsError, FileNotFoundError, RunFolderError) as e:
-        return _err(str(e))
-    except ScoringError as e:  # the run stopped before the update; run.json and MLflow say failed
+    except (ScoringError, ModelFileError) as e:  # the run stopped; run.json and MLflow say failed, and why
+        if args.debug:
+            raise
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if e.errno not in STORAGE_ADVICE or args.debug:
+            raise
+        print(f"error: {storage_message(e)}", file=sys.stderr)
         return 1
     finally:
         stop.settle()

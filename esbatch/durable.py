@@ -51,9 +51,11 @@ def replacing(path: str | os.PathLike[str]) -> Iterator[Path]:
         yield tmp
         _fsync_file(tmp)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename in (None, str(tmp)):
+            e.filename = str(target)  # a write() error names no file: name the one that was being replaced
         raise
     _fsync_folder(target.parent)
 

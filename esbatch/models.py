@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import math
 import os
 import re
@@ -137,6 +138,29 @@ class ModelNotFoundError(FileNotFoundError):
     """A model name that resolves to nothing loadable; the message says what was tried."""
 
 
+class ModelFileError(ValueError):
+    """A model folder with a damaged file (a torn .safetensors, a truncated .json); the message names it."""
+
+
+def damaged_files(folder: str | Path) -> list[str]:
+    """The .json and .safetensors files of a model folder that cannot be parsed, each with why."""
+    from safetensors import SafetensorError, safe_open
+
+    out = []
+    for f in sorted(Path(folder).glob("*.json")) if Path(folder).is_dir() else []:
+        try:
+            json.loads(f.read_text())
+        except (ValueError, OSError) as e:
+            out.append(f"{f} ({e})")
+    for f in sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []:
+        try:
+            with safe_open(str(f), framework="pt") as g:
+                list(g.keys())
+        except (SafetensorError, OSError) as e:
+            out.append(f"{f} ({e})")
+    return out
+
+
 def model_problem(name: str, gguf_file: str | None = None) -> str | None:
     """Why ``name`` cannot be a model here, checked without loading it (None: it can, or it is a hub id,
     which is checked when loaded). Accepted: an alias, a local HF folder, a .gguf file, a hub id org/name, a
@@ -242,6 +266,7 @@ def load_model_and_tokenizer(
 ) -> tuple[Any, Any]:
     """Load (model, tokenizer) for causal LM generation: eval mode, no grads, in ``dtype`` on ``device``."""
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
@@ -252,8 +277,16 @@ def load_model_and_tokenizer(
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), revision=rev)
         tok = AutoTokenizer.from_pretrained(path, revision=rev)
-    except OSError as e:  # transformers' not-found, no-network and gated-repo errors are all OSError
+    except (OSError, ValueError, SafetensorError) as e:  # not found, no network, gated; or a damaged file
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if damaged := damaged_files(path):
+            raise ModelFileError(
+                f"model.name: {name!r} has damaged files: {'; '.join(damaged)}. Copy or download the model again "
+                "(a hub id: delete it from the HF cache, e.g. `huggingface-cli delete-cache`, and fetch it anew), "
+                "then start or resume the run"
+            ) from None
+        if not isinstance(e, OSError):
+            raise
         raise ModelNotFoundError(
             f"model.name: cannot load {name!r} ({first}). For a hub id check the spelling, the network and, for a "
             "gated model, HF_TOKEN; or give a local model folder, a .gguf file or an alias (esbatch ls models)"

@@ -239,15 +239,16 @@ class RunSession:
 
     def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
         with self._lock:  # released once run.json and MLflow say how the run ended
-            self._close(kind)
+            self._close(kind, exc)
 
-    def _close(self, kind: type | None) -> None:
+    def _close(self, kind: type | None, exc: BaseException | None = None) -> None:
         if kind is None:
             self.status = "FINISHED"
         elif issubclass(kind, (KeyboardInterrupt, SystemExit)):  # a stop, Ctrl-C, or submitit's exit on requeue
             self.status = "KILLED"
+        why = {"reason": f"{kind.__name__}: {exc}"[:2000]} if self.status == "FAILED" and kind else {}
         if self.lead and self.rd.path.exists():
-            self.rd.write_meta(status=self.status.lower(), peak_rss_mb=round(peak_rss_mb(), 1))
+            self.rd.write_meta(status=self.status.lower(), peak_rss_mb=round(peak_rss_mb(), 1), **why)
         if self.tracker is not None:
             self.tracker.end(self.status)
         self.ranks.close(ok=self.status == "FINISHED")
