@@ -50,6 +50,18 @@ def schema_text(kind: str) -> str:
     return "\n".join(lines)
 
 
+def _sections(shared: list[str], keys: list[str]) -> list[str]:
+    """`model.*` for a section all of whose keys are shared, the keys themselves otherwise."""
+    out: list[str] = []
+    for key in shared:
+        section = key.split(".")[0]
+        whole = "." in key and all(k in shared for k in keys if k.split(".")[0] == section)
+        name = f"`{section}.*`" if whole else f"`{key}`"
+        if name not in out:
+            out.append(name)
+    return out
+
+
 def markdown() -> str:
     out = [
         "# Config reference",
@@ -60,15 +72,24 @@ def markdown() -> str:
         "docs/config-reference.md`; a test fails when it is out of date. `esbatch validate --schema [--kind K]` "
         "prints the same.",
     ]
+    run_rows = {repr(row) for row in describe(Config)}
     for kind, parts in schemas().items():
         out += ["", f"## {TITLES[kind]}"]
         for heading, cls in parts:
             if heading:
                 out += ["", f"### {heading}"]
             out += ["", "| key | type | default | what it does |", "|---|---|---|---|"]
-            for key, tp, default, help_ in describe(cls):
+            shared: list[str] = []  # keys whose row is the run config's, word for word: named once, not repeated
+            for row in describe(cls):
+                key, tp, default, help_ = row
+                if kind != "config" and repr(row) in run_rows:
+                    shared.append(key)
+                    continue
                 cell = _fmt(default).replace("|", "\\|")
                 out.append(f"| `{key}` | {tp.replace('|', 'or')} | `{cell}` | {help_.replace('|', '/')} |")
+            if shared:
+                names = ", ".join(_sections(shared, [r[0] for r in describe(cls)]))
+                out.append(f"| {names} | | | as in the run config |")
     return "\n".join(out) + "\n"
 
 
