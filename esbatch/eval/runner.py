@@ -33,6 +33,7 @@ from esbatch.tasks.base import Example
 from esbatch.tracking import MLflowTracker, default_tracking_uri, run_tags
 from esbatch.train import stop
 from esbatch.train.config import TrainConfig
+from esbatch.train.lock import writer_lock
 from esbatch.train.rundir import RunDir, RunFolderError, read_jsonl
 from esbatch.train.taskeval import few_shot_demos, score_responses, task_metrics  # shared with in-training evals
 
@@ -379,7 +380,11 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, recompute: bool = False)
     """Run (or continue, or only re-score) an eval; logs to MLflow; returns the summary."""
     src = resolve_weights(cfg)  # a missing or damaged checkpoint is named before anything is written
     ed = EvalDir(Path(cfg.output_dir) / cfg.name)
-    ed.path.mkdir(parents=True, exist_ok=True)
+    with writer_lock(ed.path, "eval folder"):  # one writer: a second eval of this folder exits 2 naming the first
+        return _evaluate(cfg, ed, src, progress, recompute)
+
+
+def _evaluate(cfg: EvalConfig, ed: EvalDir, src: WeightsSource, progress: bool, recompute: bool) -> dict[str, Any]:
     if not recompute:  # --recompute reads the folder's own config and leaves its inputs as they are
         durable.write_text(ed.config, _yaml(cfg.to_dict()))
     throughput: dict[str, dict[str, float]] = {}

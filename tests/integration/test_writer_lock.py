@@ -143,3 +143,30 @@ def test_a_file_system_without_flock_is_a_clear_error_and_no_lock_is_left_held(t
             pass
     assert not isinstance(e.value, FolderBusy) and str(tmp_path / "run") in str(e.value)
     assert not holds(tmp_path / "run")
+
+
+def test_a_second_eval_of_an_eval_folder_is_refused_before_it_writes(tmp_path, tiny_model_dir, capsys):
+    """`esbatch eval` holds its eval folder: a second one into the same folder exits 2 naming the first."""
+    from esbatch.cli import main
+
+    cfg = {
+        "name": "ev",
+        "output_dir": str(tmp_path / "evals"),
+        "model": {"name": str(tiny_model_dir), "dtype": "float32"},
+        "sampling": {"n": 2, "max_new_tokens": 4, "batch_size": 4},
+        "ks": [1, 2],
+        "tracking": {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+        "tasks": [{"name": "toy:DigitTask", "params": {"size": 8}, "limit": 2}],
+    }
+    (tmp_path / "ev.yaml").write_text(json.dumps(cfg))
+    folder = tmp_path / "evals" / "ev"
+    holder = hold(folder)
+    try:
+        assert main(["eval", str(tmp_path / "ev.yaml"), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert "this eval folder is being written by process" in err and f"kill {holder.pid}" in err, err
+    finally:
+        release(holder)
+    assert sorted(p.name for p in folder.iterdir()) == [LOCK_FILE]  # nothing written but the lock's file
+    assert main(["eval", str(tmp_path / "ev.yaml"), "--no-progress"]) == 0
+    assert (folder / "metrics.json").exists()

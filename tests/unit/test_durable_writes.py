@@ -575,7 +575,7 @@ CASES = {
     "kappa config": Case(("esbatch/cli.py", "cmd_diagnose_kappa"), kappa_config),
     "eval tables": Case(("esbatch/eval/runner.py", "write_tables"), eval_tables),
     "eval passk": Case(("esbatch/eval/runner.py", "summarize"), eval_summary),
-    "eval config": Case(("esbatch/eval/runner.py", "evaluate"), eval_config),
+    "eval config": Case(("esbatch/eval/runner.py", "_evaluate"), eval_config),
     "eval mlflow.json": Case(("esbatch/eval/runner.py", "log_to_mlflow"), eval_config),
     "stored center": Case(("esbatch/eval/center.py", "_write_center"), stored_center, LIB),
     "s_tau.json": Case(("esbatch/analyze/threshold.py", "_threshold_run"), thresholded),
