@@ -223,3 +223,9 @@ def fuse(hf_state):
 def live_state_dict(backend, engine: int = 0):
     """The weights a vLLM engine generates with, as fp32 under HF names (to compare with the HF backend)."""
     return backend._state("live", engine)
+
+
+def logged(run_dir: str | Path) -> int:
+    """Updates in a run folder's log.jsonl (complete lines)."""
+    log = Path(run_dir) / "log.jsonl"
+    return log.read_bytes().count(b"\n") if log.exists() else 0

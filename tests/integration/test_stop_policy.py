@@ -16,7 +16,7 @@ import yaml
 from gate import Gate, gate_path
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
-from toy import gated, run_esbatch, spawn_esbatch, toy_config
+from toy import gated, logged, run_esbatch, spawn_esbatch, toy_config
 
 UPDATES = 4
 
@@ -45,11 +45,6 @@ def write_sweep(tmp: Path, model_dir: Path, gate: str) -> Path:
     path = tmp / "storm.yaml"
     path.write_text(yaml.safe_dump(sweep))
     return path
-
-
-def logged(run_dir: Path) -> int:
-    log = run_dir / "log.jsonl"
-    return log.read_bytes().count(b"\n") if log.exists() else 0
 
 
 def storm(pids: list[int], rounds: int) -> None:

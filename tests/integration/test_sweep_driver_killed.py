@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from gate import Gate, gate_path
-from toy import gated, run_esbatch, spawn_esbatch, toy_config
+from toy import gated, logged, run_esbatch, spawn_esbatch, toy_config
 
 from esbatch.launch.local import _SUPERVISED
 
@@ -79,11 +79,6 @@ def write_sweep(tmp: Path, model_dir: Path, gate: str) -> Path:
     path = tmp / "orphan.yaml"
     path.write_text(yaml.safe_dump(sweep))
     return path
-
-
-def logged(run_dir: Path) -> int:
-    log = run_dir / "log.jsonl"
-    return log.read_bytes().count(b"\n") if log.exists() else 0
 
 
 def ppid(pid: int) -> int:
