@@ -74,18 +74,16 @@ class LauncherDouble:
 
 @pytest.fixture
 def sweep_with_table(tmp_path, monkeypatch):
-    spec = {
-        "name": "t",
-        "base": "quickstart",
-        "output_dir": str(tmp_path / "out"),
-        "config": {"es": {"updates": BUDGET}},
-        "seeds": list(range(len(TABLE))),
-    }
-    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
-    sw = load_sweep(str(tmp_path / "s.yaml"))
+    return table_sweep(tmp_path, monkeypatch)
+
+
+def table_sweep(tmp_path, monkeypatch, sched=None, **extra):
+    """A sweep with one run per TABLE row (its folder and scheduler state as the row says); ``sched`` takes more
+    scheduler states (of evals); ``extra`` goes into the sweep file (an evaluate phase)."""
+    sw = load_sweep(str(write_spec(tmp_path, extra)))
     sd = write_plan(sw)
     keys = {name: r.key for name, r in zip(TABLE, sw.runs)}
-    sched = {}
+    sched = dict(sched or {})
     for name, (meta, state, *_rest) in TABLE.items():
         rd = sd.run_dir(keys[name])
         if meta == "file":
@@ -104,7 +102,8 @@ def sweep_with_table(tmp_path, monkeypatch):
         if state is not None:
             sched[keys[name]] = state
     with sd.locked() as m:
-        m["submissions"] = [{"kind": "double", "job_id": "7", "keys": list(keys.values()), "time": "now"}]
+        jobs = [*keys.values(), *(k for k in sched if k not in keys.values())]  # the runs, then evals given states
+        m["submissions"] = [{"kind": "double", "job_id": "7", "keys": jobs, "time": "now"}]
     monkeypatch.setattr(submit, "_launcher", lambda kind: SchedulerDouble(sched))
     return sw, sd, keys
 
@@ -337,3 +336,88 @@ def test_a_failed_aggregation_makes_the_sweep_exit_non_zero(tmp_path, monkeypatc
     assert "retry with: esbatch aggregate" in err
     monkeypatch.setattr(cli, "aggregate", lambda sweep_dir: tmp_path)
     assert cli.main(["sweep", str(tmp_path / "s.yaml"), "--launcher", "local"]) == 0
+
+
+EVAL_FOLDERS = ["none", "interrupted", "finished", "stale", "damaged-source"]
+
+
+def write_eval_folder(folder, kind: str, run_done: int) -> None:
+    """An eval folder as a killed or finished eval of a run at update ``run_done`` leaves it."""
+    if kind == "none":
+        return
+    folder.mkdir(parents=True)
+    updates = run_done if kind != "stale" else run_done + 1 if run_done < BUDGET else run_done - 1
+    (folder / "source.json").write_text("{torn" if kind == "damaged-source" else json.dumps({"updates": updates}))
+    if kind != "interrupted":
+        (folder / "metrics.json").write_text(json.dumps({"mlflow_run_id": "abc"}))
+
+
+@pytest.mark.parametrize("eval_sched", [None, "PENDING", "RUNNING"])
+@pytest.mark.parametrize("eval_folder", EVAL_FOLDERS)
+def test_eval_submission_over_every_run_state_and_eval_state(tmp_path, monkeypatch, eval_folder, eval_sched):
+    """Every TABLE run state x every eval folder state x the eval's scheduler state, through the real
+    run_states and submit_sweep: what is submitted, and after which run, obeys the rules below (safety: nothing
+    done or active is submitted, an eval runs on a finished center or after its run's job; liveness: an eval that
+    can run is submitted)."""
+    spec = {"evaluate": {"config": "eval-quick", "base_models": False}}
+    sw0 = load_sweep(str(write_spec(tmp_path, spec)))  # the eval keys, to give them scheduler states
+    sched = {e.key: eval_sched for e in sw0.evals} if eval_sched else {}
+    sw, sd, keys = table_sweep(tmp_path, monkeypatch, sched=sched, **spec)
+    by_run = {e.source: e for e in sw.evals}
+    for name, key in keys.items():
+        meta = TABLE[name][0]
+        done = meta.get("done", 0) if isinstance(meta, dict) else 0
+        write_eval_folder(sd.eval_dir(by_run[key].key), eval_folder, done)
+    launcher = Recorder()
+    monkeypatch.setattr(submit, "launcher_for", lambda profile: launcher)
+    out = io.StringIO()
+    assert submit_sweep(sw, out=out) == 0
+    states = {s.key: s.state for s in run_states(sd)}
+    submitted, hits = set(launcher.keys), set()
+    for name, key in keys.items():
+        e = by_run[key]
+        run_now, run_state, ev_state = key in submitted, states[key], states[e.key]
+        where = (name, eval_folder, eval_sched, ev_state)
+        if ev_state in ("finished", "queued", "running", "damaged"):
+            hits.add("left alone")
+            assert e.key not in submitted, where  # safety: never twice
+        elif run_state == "finished":
+            hits.add("now")
+            assert e.key in submitted and e.key not in launcher.after, where  # liveness, on the final center
+        elif run_now or run_state in ("queued", "running"):
+            hits.add("after its run")
+            assert launcher.after.get(e.key) == key, where  # after its run's training
+        else:  # the run can neither be used nor trained now (damaged): the eval waits and says so
+            hits.add("waits")
+            assert e.key not in submitted and f"eval {e.key} waits: its run {key} is {run_state}" in out.getvalue()
+        if eval_folder == "stale" and run_state == "finished" and not eval_sched:
+            assert ev_state == "stale" and e.key in submitted, where  # a newer center: evaluated again
+    if eval_sched:  # every eval queued or running: left alone whatever its run and folder
+        assert hits == {"left alone"}
+    elif eval_folder != "finished":  # the table's runs reach every other branch
+        assert hits == {"now", "after its run", "waits"}, hits
+
+
+class Recorder:
+    foreground = False
+
+    def __init__(self):
+        self.keys, self.after = [], {}
+
+    def submit(self, sd, name, keys, after=None):
+        self.keys += list(keys)
+        self.after.update(after or {})
+        return [{"job_id": "99", "keys": list(keys)}]
+
+
+def write_spec(tmp_path, extra):
+    spec = {
+        "name": "t",
+        "base": "quickstart",
+        "output_dir": str(tmp_path / "out"),
+        "config": {"es": {"updates": BUDGET}},
+        "seeds": list(range(len(TABLE))),
+        **extra,
+    }
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    return tmp_path / "s.yaml"
