@@ -20,6 +20,7 @@ import csv
 import json
 import math
 import re
+import struct
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -205,6 +206,16 @@ def _scan(
     return top_vals, top_src
 
 
+def fp32_at_most(tau: float) -> float:
+    """The largest float32 value <= tau (tau >= 0). A float32 |delta| is <= tau exactly when it is <= this; torch
+    compares a float32 tensor with a Python float after rounding the float to float32, which can round past tau
+    (float32(1e-3) = 1.00000005e-3 would count as "at most 1e-3")."""
+    t = struct.unpack("<f", struct.pack("<f", tau))[0]
+    if t > tau:  # rounded up: the float32 just below (positive floats order as their bit patterns)
+        t = struct.unpack("<f", struct.pack("<I", struct.unpack("<I", struct.pack("<f", t))[0] - 1))[0]
+    return t
+
+
 def _chunk(st: DriftStats, c: Any, hist: list[int], edges_t: Any, name: str) -> None:
     """Add one chunk of |delta| of tensor ``name`` to the counts, the sums and the maximum."""
     import torch
@@ -216,7 +227,7 @@ def _chunk(st: DriftStats, c: Any, hist: list[int], edges_t: Any, name: str) -> 
     st.sq_delta += float(c.double().square().sum())
     zeros = c.numel() - nz
     for j, tau in enumerate(st.taus):
-        st.below[j] += int((c <= tau).sum()) - zeros
+        st.below[j] += int((c <= fp32_at_most(tau)).sum()) - zeros
     if nz:
         counts = torch.bincount(torch.bucketize(c[nonzero], edges_t), minlength=len(hist))
         for b, n in enumerate(counts.tolist()):

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 import yaml
 
 from esbatch import durable
-from esbatch.analyze.drift import check_taus, resolve_run
+from esbatch.analyze.drift import check_taus, fp32_at_most, resolve_run
 from esbatch.config import load_config
 from esbatch.eval.center import newest_center
 from esbatch.models import SafetensorsReader, weight_files
@@ -101,7 +101,7 @@ def threshold_tensors(center: Any, base: Any, taus: list[float], base_dtype: str
             nonzero = absd > 0
             nz = int(nonzero.sum())
             for j, tau in enumerate(taus):
-                mask = nonzero & (absd <= tau)
+                mask = nonzero & (absd <= fp32_at_most(tau))  # |delta| <= tau exactly, not after rounding tau
                 counts[j]["zeroed"] += int(mask.sum())
                 counts[j]["nonzero"] += nz
                 counts[j]["total"] += final.numel()
