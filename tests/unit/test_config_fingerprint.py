@@ -6,6 +6,7 @@ and is returned to be recorded."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 
 import pytest
@@ -89,3 +90,44 @@ def test_a_damaged_fingerprint_is_named_with_what_to_do(run, text):
     fingerprint.path(run).write_text(text)
     with pytest.raises(RunFolderError, match="not a valid config fingerprint.*delete it to resume"):
         fingerprint.check(run, base())
+
+
+def test_the_recorded_sha256_covers_exactly_the_keys_a_resume_may_not_change(run, tmp_path):
+    rec = json.loads(fingerprint.path(run).read_text())
+    keys = fingerprint.resume_overridable()
+    kept = {k: v for k, v in rec["values"].items() if not fingerprint.allowed(k, keys)}
+    assert rec["sha256"] == hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+    assert "es.sigma" in kept and "es.updates" not in kept and not any(k.startswith("tracking.") for k in kept)
+    other = RunDir(tmp_path / "other")
+    other.path.mkdir()
+    cfg = base()
+    cfg.es.updates, cfg.run.name = 9, "elsewhere"  # a budget and bookkeeping: the same sha256
+    fingerprint.record(other, cfg)
+    assert json.loads(fingerprint.path(other).read_text())["sha256"] == rec["sha256"]
+    cfg.es.sigma = 0.5
+    fingerprint.record(other, cfg)
+    assert json.loads(fingerprint.path(other).read_text())["sha256"] != rec["sha256"]
+    assert [p.name for p in other.path.iterdir()] == [fingerprint.FILE]  # written atomically, no tmp left
+
+
+def test_keys_that_appear_or_vanish_are_named_unset_and_several_are_listed(run):
+    cfg = base()
+    cfg.task.params = {**cfg.task.params, "extra": 1}  # a key the recorded config did not have, not a default
+    cfg.model.name = "another-model"
+    with pytest.raises(RunFolderError) as e:
+        fingerprint.check(run, cfg)
+    msg = str(e.value)
+    assert "(model.name: 'smollm2-135m-instruct' -> 'another-model'; task.params: {} -> (unset); " in msg, msg
+    assert "; task.params.extra: (unset) -> 1); a resume may change only" in msg, msg
+    data = json.loads(fingerprint.path(run).read_text())
+    data["values"]["task.params.gone"] = 2  # recorded then, absent now
+    fingerprint.path(run).write_text(json.dumps(data))
+    with pytest.raises(RunFolderError, match=r"\(task\.params\.gone: 2 -> \(unset\)\)"):
+        fingerprint.check(run, base())
+
+
+def test_an_allowed_key_that_appears_is_no_recorded_change(run):
+    data = json.loads(fingerprint.path(run).read_text())
+    del data["values"]["es.updates"]  # a budget the recorded config did not have
+    fingerprint.path(run).write_text(json.dumps(data))
+    assert fingerprint.check(run, base()) == {}  # allowed, and not an (old, new) pair to record
