@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,14 +46,20 @@ def subreaper() -> Iterator[None]:
 
 def wait_adopted(pid: int, limit_s: float = EXIT_LIMIT_S) -> int | None:
     """The exit code of ``pid`` (an orphan adopted by this process; -N: killed by signal N), or None if it is
-    still running after ``limit_s``."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.1)
-    return None
+    still running after ``limit_s``: a blocking wait for its exit, bounded by an alarm, no polling."""
+
+    def expired(signum: int, frame: object) -> None:
+        raise TimeoutError
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(max(1, int(limit_s)))
+    try:
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    except TimeoutError:
+        return None
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def kill_and_reap(pid: int) -> None:
