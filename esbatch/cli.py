@@ -55,8 +55,9 @@ from esbatch.launch.submit import (
 from esbatch.launch.sweep import load_sweep
 from esbatch.models import DTYPES, MODELS, ModelFileError, load_model_and_tokenizer
 from esbatch.registry import UnknownNameError
-from esbatch.tasks import TASKS
+from esbatch.tasks import TASKS, DataFileError
 from esbatch.tasks.verify import ScoringError
+from esbatch.tracking import TrackingStoreError
 from esbatch.train import fingerprint, stop, train
 from esbatch.train.config import ALGORITHMS, TrainConfig
 from esbatch.train.flops import format_accounting
@@ -814,7 +815,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         return _err(str(e))
-    except (ScoringError, ModelFileError) as e:  # the run stopped; run.json and MLflow say failed, and why
+    except (
+        ScoringError,
+        ModelFileError,
+        TrackingStoreError,
+        DataFileError,
+    ) as e:  # the run stopped; run.json says failed, and why
         if args.debug:
             raise
         print(f"error: {e}", file=sys.stderr)

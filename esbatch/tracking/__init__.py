@@ -8,7 +8,7 @@ from esbatch.tracking.mlflow_tracker import (
     parent_tag,
     run_tags,
 )
-from esbatch.tracking.spool import spool_path
+from esbatch.tracking.spool import TrackingStoreError, spool_path
 
 __all__ = [
     "MLflowTracker",
@@ -18,4 +18,5 @@ __all__ = [
     "parent_tag",
     "run_tags",
     "spool_path",
+    "TrackingStoreError",
 ]

@@ -19,11 +19,24 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import esbatch
 from esbatch.tracking import spool as spooling
-from esbatch.tracking.spool import BACKOFF_S, RETRY_EVERY_S, Spool, describe, now_ms, retry, send, transient
+from esbatch.tracking.spool import (
+    BACKOFF_S,
+    RETRY_EVERY_S,
+    Spool,
+    TrackingStoreError,
+    damaged,
+    describe,
+    now_ms,
+    retry,
+    send,
+    transient,
+)
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -177,8 +190,18 @@ class MLflowTracker:
                 self.client = MlflowClient(tracking_uri=uri)
                 return self._experiment(experiment, uri, artifact_root)
 
-        self.experiment_id = retry(open_store, self._sleep)
+        self.experiment_id = self._before_training(lambda: retry(open_store, self._sleep))
         self.run_id: str | None = None
+
+    def _before_training(self, op: Callable[[], T]) -> T:
+        """``op()``, a store that is damaged or still refuses after every try raised as TrackingStoreError: a clear
+        failure while nothing has been trained (after that, the spool keeps what the store refuses)."""
+        try:
+            return op()
+        except Exception as e:
+            if not transient(e):
+                raise
+            raise TrackingStoreError(self.uri, e, 1 if damaged(e) else len(BACKOFF_S) + 1) from e
 
     def _experiment(self, experiment: str, uri: str, artifact_root: str | Path | None) -> str:
         exp = self.client.get_experiment_by_name(experiment)
@@ -197,7 +220,9 @@ class MLflowTracker:
         the spool are sent first (its end status must not land after this reopening)."""
         if self.spool is not None and self.spool.pending():
             self._drain(force=True)
-        return retry(lambda attempt: self._start(run_name, params, tags, run_id), self._sleep)
+        return self._before_training(
+            lambda: retry(lambda attempt: self._start(run_name, params, tags, run_id), self._sleep)
+        )
 
     def _start(self, run_name: str, params: dict[str, Any], tags: dict[str, str], run_id: str | None) -> str:
         from mlflow.entities import Param, RunTag

@@ -33,6 +33,8 @@ RETRY_EVERY_S = 60.0  # while writes are spooled, the store is tried at most thi
 # MLflow errors that say the request itself is wrong: trying again cannot help (they raise, as before)
 PERMANENT = {"INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST", "INVALID_STATE"}
 TERMINAL = {"FINISHED", "FAILED", "KILLED"}
+DAMAGED = {"SQLITE_CORRUPT", "SQLITE_NOTADB"}  # sqlite's codes for a store file that is not (any more) a database
+DAMAGED_WORDS = ("database disk image is malformed", "file is not a database")  # the same, as MLflow re-words them
 
 T = TypeVar("T")
 
@@ -47,22 +49,63 @@ def spool_path(run_folder: str | Path) -> Path:
 
 
 def transient(e: BaseException) -> bool:
-    """Whether a failed tracking write may succeed later (the store busy or away), rather than being wrong: an
-    MLflow error other than a bad request, a database or network error. Anything else (a bug) raises at once."""
+    """Whether a failed tracking write may succeed later (the store busy, away or damaged), rather than being
+    wrong: an MLflow error other than a bad request, a database or network error. Anything else (a bug) raises at
+    once."""
+    if damaged(e):  # not mended by waiting, but by replacing the store: until then the spool keeps the writes
+        return True
     code = getattr(e, "error_code", None)  # MlflowException and its REST form
     if code is not None:
         return code not in PERMANENT | {"RESOURCE_DOES_NOT_EXIST"}
     return isinstance(e, (OSError, sqlite3.Error)) or type(e).__module__.startswith("sqlalchemy.")
 
 
+def damaged(e: BaseException) -> str | None:
+    """sqlite's words when ``e``, or an error behind it, says the store file is damaged (not a database, a
+    malformed image: a truncated or overwritten file); None otherwise. Trying again cannot mend it."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        words = str(x).splitlines()[0] if str(x) else ""
+        if getattr(x, "sqlite_errorname", None) in DAMAGED or any(m in words for m in DAMAGED_WORDS):
+            return next((m for m in DAMAGED_WORDS if m in words), words)
+        x = getattr(x, "orig", None) or x.__cause__ or x.__context__
+    return None
+
+
+class TrackingStoreError(RuntimeError):
+    """The MLflow store could not be opened, or a run not created in it (so before training starts): damaged, or
+    still refusing after every try. The message is one paragraph: the store, why, what to do."""
+
+    def __init__(self, uri: str, e: BaseException, tries: int) -> None:
+        db = uri[len("sqlite:///") :] if uri.startswith("sqlite:///") else None
+        why = damaged(e)
+        if why is not None and db is not None:
+            msg = (
+                f"the MLflow store {db} is damaged ({why}): MLflow cannot read it. Nothing is lost: the run folders "
+                f"keep everything computed. Move the file aside (mv {db} {db}.damaged; `sqlite3 "
+                f"{db}.damaged .recover` may rescue its runs) and run again, which makes a new store there, or set "
+                "tracking.uri to another store"
+            )
+        else:
+            msg = (
+                f"the MLflow store {db or uri} did not answer after {tries} tries ({describe(e)}). Nothing is "
+                "lost: the run folders keep everything computed. If another process holds it (a long write on a "
+                "busy disk) or the server is down, run again later; or set tracking.uri to another store"
+            )
+        super().__init__(msg)
+        self.uri = uri
+
+
 def retry(op: Callable[[int], T], sleep: Callable[[float], None], delays: tuple[float, ...] = BACKOFF_S) -> T:
     """``op(attempt)`` until it returns, sleeping ``delays[i]`` after the (i+1)-th transient failure; the last
-    failure (or any non-transient one) is raised."""
+    failure (or any non-transient one, or a damaged store: trying again cannot mend it) is raised."""
     for attempt in range(len(delays) + 1):
         try:
             return op(attempt)
         except Exception as e:
-            if attempt == len(delays) or not transient(e):
+            if attempt == len(delays) or not transient(e) or damaged(e):
                 raise
             sleep(delays[attempt])
     raise AssertionError("unreachable")

@@ -12,11 +12,18 @@ import shutil
 
 import pytest
 import yaml
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
+from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 from mlflow.tracking import MlflowClient
 from toy import toy_config
 
 from esbatch import durable
 from esbatch.cli import STORAGE_ADVICE, main
+from esbatch.tasks import DataFileError
+from esbatch.tracking import MLflowTracker, TrackingStoreError
+from esbatch.tracking import spool as spooling
+from esbatch.tracking.spool import BACKOFF_S
 
 
 def config(tmp_path, model_dir, name="r"):
@@ -86,3 +93,129 @@ def test_an_os_error_outside_the_storage_list_is_not_reworded(tmp_path, tiny_mod
     monkeypatch.setattr(durable, "_fsync_file", failing)
     with pytest.raises(OSError, match="Input/output error"):  # unexpected: the traceback, not a guess
         main(["train", str(config(tmp_path, tiny_model_dir)), "--no-progress"])
+
+
+def damage(db, how):
+    data = db.read_bytes()
+    db.write_bytes(data[: len(data) // 2] if how == "truncated" else bytes(len(data)))  # torn copy / zeroed
+
+
+@pytest.mark.parametrize("how", ["truncated", "zeroed"])
+def test_a_damaged_tracking_store_is_named_before_training_and_a_new_store_resumes_the_run(
+    tmp_path, tiny_model_dir, capsys, how
+):
+    path = config(tmp_path, tiny_model_dir)
+    db = tmp_path / "mlflow.db"
+    MlflowClient(f"sqlite:///{db}").search_experiments()  # a whole store, then damaged
+    damage(db, how)
+    before = db.read_bytes()
+    assert main(["train", str(path), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: the MLflow store {db} is damaged (" in err and f"mv {db} {db}.damaged" in err, err
+    assert "Traceback" not in err
+    run = tmp_path / "r"
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["status"] == "failed" and f"the MLflow store {db} is damaged" in meta["reason"]
+    assert "mlflow_run_id" not in meta and not (run / "log.jsonl").exists()  # nothing trained, nothing to lose
+    assert db.read_bytes() == before and tmp_files(tmp_path) == []
+    with pytest.raises(TrackingStoreError):
+        main(["--debug", "train", "--resume", str(run), "--no-progress"])
+    os.replace(db, tmp_path / "mlflow.db.damaged")  # what the message says to do, then a new process:
+    SqlAlchemyStore._engine_map.pop(f"sqlite:///{db}").dispose()  # here, MLflow's cached connections go
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["status"] == "finished"
+    assert MlflowClient(f"sqlite:///{db}").get_run(meta["mlflow_run_id"]).info.status == "FINISHED"
+
+
+def test_a_store_that_refuses_every_try_fails_the_run_before_training(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    sleeps: list[float] = []
+    monkeypatch.setattr(spooling, "pause", sleeps.append)
+
+    def locked(self, *args, **kwargs):
+        raise MlflowException("(sqlite3.OperationalError) database is locked", error_code=TEMPORARILY_UNAVAILABLE)
+
+    monkeypatch.setattr(MlflowClient, "get_experiment_by_name", locked)
+    assert main(["train", str(config(tmp_path, tiny_model_dir)), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    db = tmp_path / "mlflow.db"
+    assert f"error: the MLflow store {db} did not answer after 6 tries (MlflowException: " in err, err
+    assert "Traceback" not in err and sleeps == list(BACKOFF_S)
+    meta = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert meta["status"] == "failed" and "did not answer after 6 tries" in meta["reason"]
+    assert not (tmp_path / "r" / "log.jsonl").exists() and tmp_files(tmp_path) == []
+
+
+def test_a_store_damaged_while_training_costs_no_update(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    db = tmp_path / "mlflow.db"
+    real = MLflowTracker.log_metrics
+    sleeps: list[float] = []
+    monkeypatch.setattr(spooling, "pause", sleeps.append)
+
+    def damaged_first(self, metrics, step):  # the store is zeroed under the running training, before its 1st metric
+        if not sleeps and not (tmp_path / "r" / spooling.FILE).exists():
+            damage(db, "zeroed")
+        return real(self, metrics, step)
+
+    monkeypatch.setattr(MLflowTracker, "log_metrics", damaged_first)
+    assert main(["train", str(config(tmp_path, tiny_model_dir)), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: the MLflow store sqlite:///{db} is unavailable (" in err and "file is not a database" in err
+    assert sleeps == []  # a damaged store is not waited for: trying again cannot mend it
+    run = tmp_path / "r"
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["status"] == "finished"
+    steps = [json.loads(line)["t"] for line in (run / "log.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]  # every update trained and in the folder, the record
+    spooled = [json.loads(line) for line in (run / spooling.FILE).read_text().splitlines()]
+    assert [r["step"] for r in spooled if "metrics" in r][:2] == [0, 1] and spooled[-1]["status"] == "FINISHED"
+    assert tmp_files(tmp_path) == []
+
+
+def gsm8k_rows(n=12):
+    return [{"question": f"What is {i} + {i}?", "answer": f"{i}+{i} = {2 * i}\n#### {2 * i}"} for i in range(n)]
+
+
+def jsonl(rows):
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def parquet(rows):
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    "name, data, why",
+    [
+        ("torn.jsonl", jsonl(gsm8k_rows())[:-30], "line 12, column "),  # a copy cut short: the last line torn
+        ("middle.jsonl", jsonl(gsm8k_rows()).replace(b'"What is 4', b"What is 4"), "line 5, column 14: "),
+        ("binary.jsonl", b"\x00\xff" * 40, "not UTF-8 text: byte 1"),
+        ("torn.parquet", parquet(gsm8k_rows())[:200], "ArrowInvalid: "),
+    ],
+)
+def test_a_damaged_data_file_is_named_and_the_run_fails_with_why(tmp_path, tiny_model_dir, capsys, name, data, why):
+    (tmp_path / name).write_bytes(data)
+    cfg = toy_config(
+        tiny_model_dir,
+        es_updates=1,
+        run={"name": "r", "seed": 0, "threads": 1, "output_dir": str(tmp_path)},
+        task={"name": "gsm8k", "data_path": str(tmp_path / name), "heldout_size": 4, "few_shot": 1},
+    )
+    cfg["tracking"] = {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(tmp_path / "r.yaml"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: {tmp_path / name}: the data file cannot be read ({why}" in err, err
+    assert "Copy or export it again" in err and "Traceback" not in err
+    meta = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert meta["status"] == "failed" and f"{tmp_path / name}: the data file cannot be read ({why}" in meta["reason"]
+    assert "mlflow_run_id" not in meta and tmp_files(tmp_path) == []  # the data is read before MLflow is opened
+    with pytest.raises(DataFileError):
+        main(["--debug", "train", "--resume", str(tmp_path / "r"), "--no-progress"])
