@@ -1,7 +1,7 @@
 """Task registry. ``TASKS.get(name)`` returns the task class; unknown names list the available ones."""
 
 from esbatch.registry import Registry
-from esbatch.tasks.base import SYSTEM_PROMPTS, Example, Task
+from esbatch.tasks.base import SYSTEM_PROMPTS, DataFileError, Example, Task
 from esbatch.tasks.verify import Verdict
 
 TASKS: Registry[type[Task]] = Registry("task", expect=Task)
@@ -31,4 +31,4 @@ TASKS.register(
     "sst2", "esbatch.tasks.sst2:SST2Task", help="SST-2 sentiment (stanfordnlp/sst2), one-word label; App. E control"
 )
 
-__all__ = ["TASKS", "SYSTEM_PROMPTS", "Example", "Task", "Verdict"]
+__all__ = ["TASKS", "SYSTEM_PROMPTS", "DataFileError", "Example", "Task", "Verdict"]

@@ -36,6 +36,10 @@ SYSTEM_PROMPTS = {
 }
 
 
+class DataFileError(ValueError):
+    """A task's local data file that cannot be read (torn, not of its type); the message names it and why."""
+
+
 @dataclass
 class Example:
     """One problem: the user-facing question, the gold answer, and whatever the verifier needs."""

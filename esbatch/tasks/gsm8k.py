@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from esbatch.tasks.base import Example, Task, split_local_rows
+from esbatch.tasks.base import DataFileError, Example, Task, split_local_rows
 from esbatch.tasks.verify import Verdict, check_boxed_number, number_key
 
 
@@ -20,16 +24,55 @@ def gold_from_solution(solution: str) -> str:
 def load_rows(
     source: str, split: str, *, config: str | None = None, revision: str | None = None
 ) -> list[dict[str, Any]]:
-    """Rows from a local file (jsonl/json/parquet/csv) or a hub dataset id."""
+    """Rows from a local file (jsonl/json/parquet/csv) or a hub dataset id. A local file that cannot be read (torn,
+    not of its type) raises DataFileError naming it, and for jsonl the first bad line."""
     import datasets
+    import pyarrow as pa
 
     p = Path(source)
     if p.exists():
         kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(p.suffix)
         if kind is None:
             raise ValueError(f"{source}: unsupported data file type {p.suffix!r}; use .jsonl, .json, .parquet or .csv")
-        return list(datasets.load_dataset(kind, data_files=str(p), split="train"))
+        try:
+            with _quiet("datasets"):  # its own log of the failure (a traceback): the error below says it in a line
+                return list(datasets.load_dataset(kind, data_files=str(p), split="train"))
+        except (datasets.exceptions.DatasetGenerationError, pa.ArrowException, ValueError) as e:
+            raise DataFileError(
+                f"{p}: the data file cannot be read ({_damage(p, e)}). Copy or export it again, or "
+                "point the task's data_path to a whole one"
+            ) from e
     return list(datasets.load_dataset(source, config, split=split, revision=revision))
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _damage(p: Path, e: BaseException) -> str:
+    """What is wrong with a data file that failed to load: a jsonl file's first line that is not JSON, else the
+    innermost error."""
+    if p.suffix == ".jsonl":
+        try:
+            lines = p.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as u:
+            return f"not UTF-8 text: byte {u.start}"
+        for i, line in enumerate(lines, 1):
+            try:
+                if line.strip():
+                    json.loads(line)
+            except json.JSONDecodeError as j:
+                return f"line {i}, column {j.colno}: {j.msg}"
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 class GSM8KTask(Task):

@@ -57,9 +57,16 @@ def _site() -> tuple[str, str]:
     while f is not None:
         path = Path(f.f_code.co_filename)
         if path.is_relative_to(PKG) and path != PKG / "durable.py":
-            return str(path.relative_to(ROOT)), f.f_code.co_qualname
+            return str(path.relative_to(ROOT)), unmutated(f.f_code.co_qualname)
         f = f.f_back
     return "", ""
+
+
+def unmutated(qualname: str) -> str:
+    """The source's name of a function mutmut renamed (`C.xǁCǁf__mutmut_orig` is `C.f`, `x_f__mutmut_3` is
+    `f`), so that mutation testing (docs/benchmarks.md) finds the call sites."""
+    qualname = re.sub(r"xǁ\w+ǁ(\w+?)__mutmut_\w+", r"\1", qualname)
+    return re.sub(r"(^|\.)x_(\w+?)__mutmut_\w+", r"\1\2", qualname)
 
 
 class _Halfway:
@@ -628,7 +635,9 @@ def _functions(tree: ast.AST, qual: tuple[str, ...] = ()) -> Iterator[tuple[str,
         yield "<module>", tree
     for ch in ast.iter_child_nodes(tree):
         if isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield ".".join((*qual, ch.name)), ch
+            if "__mutmut_" in ch.name and not ch.name.endswith("__mutmut_orig"):
+                continue  # under mutation testing: a mutant's copy of a function (`_orig` is the source's)
+            yield unmutated(".".join((*qual, ch.name))), ch
             yield from _functions(ch, (*qual, ch.name, "<locals>"))
         elif isinstance(ch, ast.ClassDef):
             yield from _functions(ch, (*qual, ch.name))
