@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -56,8 +57,18 @@ def replacing(path: str | os.PathLike[str]) -> Iterator[Path]:
             tmp.unlink(missing_ok=True)
         if isinstance(e, OSError) and e.filename in (None, str(tmp)):
             e.filename = str(target)  # a write() error names no file: name the one that was being replaced
+        os_error = as_os_error(e, target)
+        if os_error is not None:
+            raise os_error from e
         raise
     _fsync_folder(target.parent)
+
+
+def as_os_error(e: BaseException, path: str | os.PathLike[str]) -> OSError | None:
+    """The OSError behind a library's write error that gives the errno only in its message (safetensors: "I/O
+    error: No space left on device (os error 28)"), naming ``path``; None when ``e`` is an OSError or has none."""
+    m = None if isinstance(e, OSError) else re.search(r"\(os error (\d+)\)", str(e))
+    return OSError(int(m[1]), os.strerror(int(m[1])), str(path)) if m else None
 
 
 @contextlib.contextmanager

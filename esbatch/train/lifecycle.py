@@ -247,11 +247,16 @@ class RunSession:
         elif issubclass(kind, (KeyboardInterrupt, SystemExit)):  # a stop, Ctrl-C, or submitit's exit on requeue
             self.status = "KILLED"
         why = {"reason": f"{kind.__name__}: {exc}"[:2000]} if self.status == "FAILED" and kind else {}
-        if self.lead and self.rd.path.exists():
-            self.rd.write_meta(status=self.status.lower(), peak_rss_mb=round(peak_rss_mb(), 1), **why)
-        if self.tracker is not None:
-            self.tracker.end(self.status)
-        self.ranks.close(ok=self.status == "FINISHED")
+        try:
+            if self.lead and self.rd.path.exists():
+                self.rd.write_meta(status=self.status.lower(), peak_rss_mb=round(peak_rss_mb(), 1), **why)
+        except BaseException:  # run.json cannot say how the run ended (a full disk, an immutable file): MLflow
+            self.status = "FAILED"  # says failed, as the exit status does, instead of staying RUNNING
+            raise
+        finally:
+            if self.tracker is not None:
+                self.tracker.end(self.status)
+            self.ranks.close(ok=self.status == "FINISHED")
 
     def _check_not_running(self) -> None:
         """Refuse to restart a never-updated run that a live process on this host is still setting up."""

@@ -272,8 +272,15 @@ class RunDir:
 
         tmp = self.path / f".{self.FINAL_MODEL}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        save(tmp)
-        (tmp / self.EXPORT_META).write_text(json.dumps({"t": t}))
+        try:
+            save(tmp)
+            (tmp / self.EXPORT_META).write_text(json.dumps({"t": t}))
+        except BaseException as e:  # a full disk, a kill: no half-written folder is left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            os_error = durable.as_os_error(e, self.final_model)
+            if os_error is not None:
+                raise os_error from e
+            raise
         old = self.path / f".{self.FINAL_MODEL}.old{os.getpid()}"
         if self.final_model.exists():
             os.replace(self.final_model, old)

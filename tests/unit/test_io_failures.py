@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -16,6 +17,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
 from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 from mlflow.tracking import MlflowClient
+from safetensors import SafetensorError
 from toy import toy_config
 
 from esbatch import durable
@@ -24,6 +26,7 @@ from esbatch.tasks import DataFileError
 from esbatch.tracking import MLflowTracker, TrackingStoreError
 from esbatch.tracking import spool as spooling
 from esbatch.tracking.spool import BACKOFF_S
+from esbatch.train.rundir import RunDir
 
 
 def config(tmp_path, model_dir, name="r"):
@@ -219,3 +222,54 @@ def test_a_damaged_data_file_is_named_and_the_run_fails_with_why(tmp_path, tiny_
     assert "mlflow_run_id" not in meta and tmp_files(tmp_path) == []  # the data is read before MLflow is opened
     with pytest.raises(DataFileError):
         main(["--debug", "train", "--resume", str(tmp_path / "r"), "--no-progress"])
+
+
+def test_run_json_refusing_every_write_after_the_start_leaves_mlflow_failed_not_running(
+    tmp_path, tiny_model_dir, capsys, monkeypatch
+):
+    real = durable._fsync_file
+    writes = []
+
+    def failing(path):  # an immutable run.json: from its second write on (the start), every write fails
+        writes.append(path.name)
+        if path.name.startswith("run.json") and writes.count(path.name) >= 2:
+            raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+        return real(path)
+
+    monkeypatch.setattr(durable, "_fsync_file", failing)
+    assert main(["train", str(config(tmp_path, tiny_model_dir)), "--no-progress"]) == 1
+    assert f"{tmp_path / 'r' / 'run.json'}: Operation not permitted" in capsys.readouterr().err
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("esbatch").experiment_id])
+    assert run.info.status == "FAILED" and tmp_files(tmp_path) == []
+
+
+def test_a_library_write_that_fills_the_disk_reads_as_a_full_disk(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    import safetensors.torch
+
+    def full(tensors, filename, metadata=None):  # safetensors reports the errno only in its message
+        Path(filename).write_bytes(b"\0" * 10)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    assert main(["train", str(config(tmp_path, tiny_model_dir)), "--no-progress"]) == 1
+    center = tmp_path / "r" / "center.safetensors"
+    assert f"error: {center}: No space left on device. {STORAGE_ADVICE[errno.ENOSPC]}" in capsys.readouterr().err
+    meta = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert meta["status"] == "failed" and "No space left on device" in meta["reason"]
+    assert not center.exists() and tmp_files(tmp_path) == []
+
+
+def test_an_export_cut_short_leaves_no_half_written_folder(tmp_path):
+    rd = RunDir(tmp_path / "r")
+    rd.path.mkdir()
+
+    def save(folder):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"\0" * 10)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with pytest.raises(OSError) as e:
+        rd.write_export(save, t=3)
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(rd.final_model))
+    assert list(rd.path.iterdir()) == []
