@@ -368,9 +368,47 @@ def write_eval_wins(es: EvalSet, a: Any, out_dir: Path) -> Any:
     )
     body = md_table(header, rows) + (
         "\n\n*One comparison = one (model, task) pair, every task of the suite; wins by the point estimate, and with "
-        "a paired bootstrap interval over problems that excludes 0. '< base': below the same model before training.*"
+        "a paired bootstrap interval over problems that excludes 0. '< base': below the same model before training, "
+        "each metric on its own.*"
     )
-    return finish(a, out_dir, f"{a.name}: {a.a} vs {a.b}", body, [csv_path])
+    files = [csv_path]
+    if a.below_base_on:
+        joint_md, joint_csv = _below_base_jointly(es, a, tasks, out_dir)
+        body += "\n\n" + joint_md
+        files.append(joint_csv)
+    return finish(a, out_dir, f"{a.name}: {a.a} vs {a.b}", body, files)
+
+
+def _below_base_jointly(es: EvalSet, a: Any, tasks: list[str], out_dir: Path) -> tuple[str, Path]:
+    """The paper's joint rule: the (model, task) cells where a method is below the same model before training on
+    every ``a.below_base_on`` metric at once (a tie is not below). Markdown listing the cells, and a CSV."""
+    ms = list(a.below_base_on)
+    found: dict[str, list[str]] = {a.a: [], a.b: []}
+    compared = {a.a: 0, a.b: 0}
+    csv_rows = []
+    for panel, entries in _groups(es, a):
+        base = _base_of(entries)
+        for name in (a.a, a.b):
+            e = next((x for x in entries if x.param("method") == name), None)
+            if base is None or e is None:
+                continue
+            for t in tasks:
+                have = t in e.tasks and t in base.tasks
+                if not have or any(m not in e.tasks[t].values or m not in base.tasks[t].values for m in ms):
+                    continue
+                values = [(e.tasks[t].mean(m), base.tasks[t].mean(m)) for m in ms]
+                below = all(v < b for v, b in values)
+                compared[name] += 1
+                if below:
+                    found[name].append(f"{panel}/{t}" if panel is not None else t)
+                csv_rows.append([name, panel, t, below, *(x for pair in values for x in pair)])
+    both = " and ".join(ms)
+    rows = [[name, f"{len(found[name])} of {compared[name]}", ", ".join(found[name]) or "—"] for name in found]
+    md = f"**Below the base model on {both} at once** (the paper's rule)\n\n" + md_table(
+        ["method", "(model, task) cells below", "which"], rows
+    )
+    header = ["method", "model", "task", "below", *(f"{x}_{m}" for m in ms for x in ("value", "base"))]
+    return md, write_csv(out_dir / f"{a.name}_below_base.csv", header, csv_rows)
 
 
 # ----------------------------------------------------------------------------- figures

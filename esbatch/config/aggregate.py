@@ -227,14 +227,24 @@ class EvalTableAnalysis(EvalAnalysis):
 
 @dataclass(kw_only=True)
 class EvalWinsAnalysis(EvalAnalysis):
-    """How many (model, task, metric) comparisons method ``a`` wins over ``b``, and how often each falls below
-    the base model (the paper's "15 of 18 comparisons")."""
+    """How many (model, task, metric) comparisons method ``a`` wins over ``b``, how often each falls below the base
+    model per metric, and the (model, task) cells below it on every ``below_base_on`` metric at once (the paper's
+    "15 of 18 comparisons")."""
 
     kind: ClassVar[str] = "eval_wins"
     unknown_key: ClassVar[str] = "unknown key for kind 'eval_wins'"
     a: str = setting("ES", "method counted as winning when it is higher", check=_str)
     b: str = setting("GRPO", "the method it is compared with", check=_str)
     metrics: list[str] = setting(["pass@1", "pass@16", "pass@32"], "eval metrics compared", check=_eval_metrics)
+    panels: str | None = setting(
+        "model.name", "parameter whose values are the models: a comparison is one (model, task) pair", check=_opt_key
+    )
+    below_base_on: list[str] = setting(
+        ["pass@16", "pass@32"],
+        "a (model, task) cell is below the base model when it is below on every one of these metrics: the paper's "
+        "joint rule ('below ... on both Pass@16 and Pass@32 in 15 of 18 comparisons', Sec. 4.1); [] = not counted",
+        check=lambda v: _eval_metrics(v) if v != [] else [],
+    )
 
 
 @dataclass(kw_only=True)

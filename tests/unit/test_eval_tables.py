@@ -1,6 +1,7 @@
 """The RQ1 tables from a sweep's evaluations (esbatch/aggregate/evals.py), on eval folders written here with
 known per-problem outcomes: values, held-out averages, paired differences, bootstrap intervals, win counts."""
 
+import csv
 import json
 from pathlib import Path
 
@@ -156,3 +157,48 @@ def test_rows_and_panels_are_checked_against_the_evals_not_the_runs(evalset):
     (err,) = evalset.param_errors(bad)
     assert err.startswith("aggregate[1].rows: unknown parameter 'methd'.") and "Did you mean 'method'?" in err
     assert "model.name" in err
+
+
+def test_below_base_counts_a_model_task_cell_only_when_below_on_both_metrics(tmp_path):
+    """The paper's joint rule over every model: below on pass@2 alone, or a tie, is not below."""
+    sd = SweepDir(tmp_path / "sw")
+    outcomes = {  # model -> method -> task -> correct samples of N=4 per problem
+        "m1": {
+            "Base": {"Train": [1, 1, 1, 1], "A": [2, 2, 0, 0], "B": [2, 2, 0, 0]},
+            "ES": {"Train": [2, 2, 2, 2], "A": [2, 2, 1, 1], "B": [2, 2, 0, 0]},
+            "GRPO": {"Train": [4, 0, 0, 0], "A": [1, 1, 1, 0], "B": [2, 2, 0, 0]},  # both / pass@2 only / tie
+        },
+        "m2": {
+            "Base": {"Train": [1, 1, 1, 1], "A": [2, 2, 0, 0], "B": [2, 2, 0, 0]},
+            "ES": {"Train": [1, 1, 1, 1], "A": [2, 2, 0, 0]},  # no B: not a comparison
+            "GRPO": {"Train": [1, 1, 1, 1], "A": [4, 0, 0, 0], "B": [4, 0, 0, 0]},  # tie / both / both
+        },
+    }
+    evals = []
+    for model, methods in outcomes.items():
+        for method, correct in methods.items():
+            ev = write_eval(sd, f"{method}-{model}", method, correct)
+            ev["point"]["model.name"] = model
+            evals.append(ev)
+    sd.meta_path.write_text(json.dumps({"name": "sw", "runs": [], "evals": evals, "train_task": "Train"}))
+    es = load_evals(sd)
+    (w,) = parse_specs(
+        [{"kind": "eval_wins", "name": "w", "metrics": ["pass@2"], "below_base_on": ["pass@2", "pass@4"]}]
+    )
+    write_eval_wins(es, w, tmp_path)
+    md = (tmp_path / "w.md").read_text()
+    assert "| GRPO | 3 of 6 | m1/Train, m2/A, m2/B |" in md, md
+    assert "| ES | 0 of 5 | — |" in md, md
+    rows = list(csv.DictReader((tmp_path / "w_below_base.csv").open()))
+    assert [(r["method"], r["model"], r["task"]) for r in rows if r["below"] == "true"] == [
+        ("GRPO", "m1", "Train"),
+        ("GRPO", "m2", "A"),
+        ("GRPO", "m2", "B"),
+    ]
+    a_row = next(r for r in rows if (r["method"], r["model"], r["task"]) == ("GRPO", "m1", "A"))
+    assert float(a_row["value_pass@2"]) < float(a_row["base_pass@2"])  # below on pass@2 ...
+    assert float(a_row["value_pass@4"]) > float(a_row["base_pass@4"])  # ... but not on pass@4: not counted
+    # per metric, over the ES-vs-GRPO comparisons of both models (m2/B has no ES): GRPO below base on pass@2 in
+    # m1/Train, m1/A, m2/A; the joint count above is each method's own, over every cell it has
+    (row,) = list(csv.DictReader((tmp_path / "w.csv").open()))
+    assert (row["comparisons"], row["b_below_base"]) == ("5", "3"), row
