@@ -230,7 +230,9 @@ def passk_profile(t: TaskSamples) -> list[float]:
 def _fmt(metric: str, v: float | None, sign: bool = False) -> str:
     if v is None or np.isnan(v):
         return "—"
-    x = v if metric == "entropy" else 100 * v  # rates in percent, like the paper's tables
+    if metric == "entropy":  # nats, often about 0.1 on a small model: three decimals tell runs apart
+        return f"{v:+.3f}" if sign else f"{v:.3f}"
+    x = 100 * v  # rates in percent, like the paper's tables
     return f"{x:+.1f}" if sign else f"{x:.1f}"
 
 

@@ -11,6 +11,7 @@ import yaml
 
 from esbatch.aggregate.evals import (
     EvalSet,
+    _fmt,
     bootstrap_ci,
     default_eval_analyses,
     load_evals,
@@ -202,3 +203,17 @@ def test_below_base_counts_a_model_task_cell_only_when_below_on_both_metrics(tmp
     # m1/Train, m1/A, m2/A; the joint count above is each method's own, over every cell it has
     (row,) = list(csv.DictReader((tmp_path / "w.csv").open()))
     assert (row["comparisons"], row["b_below_base"]) == ("5", "3"), row
+
+
+@pytest.mark.parametrize(
+    "metric, v, plain, signed",
+    [
+        ("entropy", 0.1234, "0.123", "+0.123"),  # nats: two runs about 0.1 apart in the 3rd decimal differ
+        ("entropy", 0.1199, "0.120", "+0.120"),
+        ("entropy", -0.0004, "-0.000", "-0.000"),
+        ("pass@1", 0.3125, "31.2", "+31.2"),  # rates in percent, one decimal
+        ("pass@32", float("nan"), "—", "—"),
+    ],
+)
+def test_cells_print_entropy_in_nats_to_three_decimals_and_rates_in_percent(metric, v, plain, signed):
+    assert (_fmt(metric, v), _fmt(metric, v, sign=True)) == (plain, signed)
