@@ -2,6 +2,7 @@
 reads back every complete update and keeps appending valid JSONL."""
 
 import json
+import os
 
 import pytest
 
@@ -85,3 +86,41 @@ def test_a_complete_line_out_of_order_is_refused(tmp_path):
     rd.append_update(_rec(2))
     with pytest.raises(RunFolderError, match="expected 1"):
         rd.check_resume()
+
+
+def _export(files):
+    def save(folder):
+        folder.mkdir()
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+
+    return save
+
+
+def test_a_second_export_replaces_the_first_and_records_its_update(tmp_path):
+    rd = RunDir(tmp_path)
+    rd.write_export(_export({"model.safetensors": b"old", "stale.json": b"{}"}), t=2)
+    assert rd.export_t() == 2
+    rd.write_export(_export({"model.safetensors": b"new"}), t=5)
+    assert rd.export_t() == 5 and (rd.final_model / "model.safetensors").read_bytes() == b"new"
+    assert not (rd.final_model / "stale.json").exists()  # the old folder is gone, not merged into
+    assert sorted(p.name for p in tmp_path.iterdir()) == [rd.final_model.name]  # no .old / .tmp folder left
+
+
+def test_a_center_linked_across_file_systems_is_copied(tmp_path, monkeypatch):
+    source = tmp_path / "stage1" / "center.safetensors"
+    source.parent.mkdir()
+    source.write_bytes(b"weights")
+    rd = RunDir(tmp_path / "run")
+    rd.path.mkdir()
+
+    def cross_device(src, dst):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", cross_device)
+    rd.link_center(source)
+    assert rd.center.read_bytes() == b"weights" and not rd.center.samefile(source)
+    assert sorted(p.name for p in rd.path.iterdir()) == [rd.center.name]
+    monkeypatch.undo()
+    rd.link_center(source)  # the same file system: a hard link
+    assert rd.center.samefile(source)
