@@ -272,9 +272,9 @@ def dry_run(sweep: Sweep, out: Any) -> int:
         after = f"after {e.source}" if e.source else "at once"
         print(f"       {e.key}  {e.label:50s} {st.state if st else 'new'} ({after})", file=out)
     sweep_disk(sweep.runs, out)
-    todo = [r for r in sweep.runs if not (existing.get(r.key) and existing[r.key].state in DONE_OR_ACTIVE)]
-    todo += [e for e in sweep.evals if not (existing.get(e.key) and existing[e.key].state in DONE_OR_ACTIVE)]
-    print("\n" + launcher_for(prof).describe(sd, sweep.name, len(todo)), file=out)
+    todo = [r.key for r in sweep.runs if not (existing.get(r.key) and existing[r.key].state in DONE_OR_ACTIVE)]
+    eval_todo, _ = evals_to_submit(sweep, existing, todo, out)  # as the submission picks them, waiting ones named
+    print("\n" + launcher_for(prof).describe(sd, sweep.name, len(todo) + len(eval_todo)), file=out)
     return 0
 
 
@@ -339,7 +339,7 @@ def evals_to_submit(
     is submitted now or still queued/running; a run that is damaged or was left failed holds its eval back."""
     keys, after = [], {}
     for e in sweep.evals:
-        if states[e.key].state in DONE_OR_ACTIVE:
+        if e.key in states and states[e.key].state in DONE_OR_ACTIVE:  # (a dry run of a new sweep has no states)
             continue
         src = states.get(e.source) if e.source else None
         if src is None or src.state == "finished":

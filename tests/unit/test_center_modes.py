@@ -206,6 +206,18 @@ def test_run_disk_matches_a_hand_computation(tiny_model_dir):
     grpo = disk(algorithm="grpo", grpo={"updates": 5}, checkpoint={"every": 2})
     # center fp32 at the end + DeepSpeed checkpoints after updates 2, 4, 5: bf16 weights, fp32 master, m and v
     assert grpo.total == 4 * p + 3 * p * (2 + 4 + 8)
+    fp32 = config_from_dict(
+        {**toy_config(tiny_model_dir, algorithm="grpo", grpo={"updates": 5}), "checkpoint": {"every": 2}}
+    )
+    assert run_disk(fp32, p).total == 4 * p + 3 * p * (4 + 8)  # fp32 weights are their own master copy
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [(0, "0 B"), (999, "999 B"), (1000, "1.0 kB"), (999_949, "999.9 kB"), (10**6, "1.0 MB"), (3.2e15, "3200.0 TB")],
+)
+def test_sizes_change_unit_at_exactly_1000(n, text):
+    assert _h(n) == text
 
 
 def _h(n):

@@ -14,7 +14,7 @@ import yaml
 
 from esbatch.launch import submit
 from esbatch.launch.state import combine, disk_state
-from esbatch.launch.submit import run_states, submit_sweep, write_plan
+from esbatch.launch.submit import dry_run, run_states, submit_sweep, write_plan
 from esbatch.launch.sweep import load_sweep
 
 BUDGET = 8  # the plan's es.updates
@@ -370,8 +370,10 @@ def test_eval_submission_over_every_run_state_and_eval_state(tmp_path, monkeypat
         write_eval_folder(sd.eval_dir(by_run[key].key), eval_folder, done)
     launcher = Recorder()
     monkeypatch.setattr(submit, "launcher_for", lambda profile: launcher)
+    assert dry_run(sw, out=io.StringIO()) == 0
     out = io.StringIO()
     assert submit_sweep(sw, out=out) == 0
+    assert launcher.described == [len(launcher.keys)]  # the dry run announces what the submission does
     states = {s.key: s.state for s in run_states(sd)}
     submitted, hits = set(launcher.keys), set()
     for name, key in keys.items():
@@ -402,7 +404,11 @@ class Recorder:
     foreground = False
 
     def __init__(self):
-        self.keys, self.after = [], {}
+        self.keys, self.after, self.described = [], {}, []
+
+    def describe(self, sd, name, n_tasks):
+        self.described.append(n_tasks)
+        return f"would run {n_tasks} task(s)"
 
     def submit(self, sd, name, keys, after=None):
         self.keys += list(keys)
