@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from esbatch.analyze.drift import analyze_drift, drift_stats, log_edges, param_type
+from esbatch.analyze.drift import analyze_drift, drift_stats, log_edges, param_type, table4_rows
 from esbatch.analyze.threshold import threshold_run
 from esbatch.cli import main
 from esbatch.config import config_from_dict
@@ -94,6 +94,12 @@ def _run(tmp_path, model_dir, center, name="run", algorithm="es", t=5):
         ("model.layers.5.mlp.down_proj.weight", ("mlp", 5)),
         ("model.rotary_emb.inv_freq", ("other", None)),  # a buffer, never trained
         ("model.some_new_thing", ("other", None)),
+        # two-part names (GPT-2 style, no model. prefix): the module is the first part
+        ("wte.weight", ("embed", None)),
+        ("ln_f.bias", ("norm", None)),
+        ("c_fc.weight", ("mlp", None)),
+        ("q_proj.bias", ("attn_bias", None)),
+        ("weight", ("other", None)),
     ],
 )
 def test_param_type_maps_hf_names_to_type_and_layer(name, want):
@@ -214,6 +220,8 @@ def test_threshold_zeroes_exactly_the_small_updates_and_keeps_the_rest_bit_exact
         assert (s["zeroed"], s["nonzero"], s["total"]) == (zeroed, 11, 22)
         assert s["s_tau"] == zeroed / 11 and s["kept_share_of_all"] == (11 - zeroed) / 22
         assert RunDir(folder).center_t() == 5 and RunDir(folder).exists()  # evaluable like a run folder
+        meta = RunDir(folder).read_meta()
+        assert (meta["status"], meta["tau"], meta["done"]) == ("thresholded", tau, 5)  # what status reads
     # the thresholded checkpoint's own drift: exactly the kept updates
     st = drift_stats(
         SafetensorsReader([folders[1] / "center.safetensors"]),
@@ -294,3 +302,18 @@ def test_analysis_files_reach_the_runs_mlflow_run_or_a_warning(tmp_path, capsys)
     analyze_drift([rd.path], taus=TAUS)
     assert "warning: not logged to MLflow run" in capsys.readouterr().err
     assert (rd.path / "analysis" / "drift" / "table4.csv").exists()
+
+
+def test_table4_row_carries_the_hand_counted_statistics(tmp_path):
+    base, center = _states()
+    b_file, c_file = tmp_path / "b.safetensors", tmp_path / "c.safetensors"
+    save_file(base, str(b_file))
+    save_file(center, str(c_file))
+    st = drift_stats(SafetensorsReader([c_file]), SafetensorsReader([b_file]), taus=TAUS, top_k=4, edges=log_edges(1))
+    (row,) = table4_rows([st], None)
+    assert row["rel_l2_x1e-2"] == round(100 * st.rel_l2, 6) and row["ratio_to_reference"] == ""
+    assert [row[f"s_tau@{t:g} (%)"] for t in TAUS] == [round(100 * k / 11, 4) for k in (2, 3, 4, 6)]
+    assert row["nonzero_share (%)"] == round(100 * 11 / 22, 4)
+    assert (row["max_abs_delta"], row["n_at_max"]) == (E, 3)
+    (twice,) = table4_rows([st], st)
+    assert twice["ratio_to_reference"] == 1.0
