@@ -12,6 +12,7 @@ raise or take more than linear time on any text: a number longer than ``MAX_NUMB
 from __future__ import annotations
 
 import ast
+import math
 import re
 import sys
 import threading
@@ -108,13 +109,29 @@ class _Invalid(Exception):
     pass
 
 
+def _negative_literal(node: ast.AST) -> int | None:
+    """The integer of a minus written directly against an integer literal (``-3``: no space, no parenthesis
+    between them), else None. ``- 3``, ``-(3)``, ``--3`` and ``+3`` are signs, not literals."""
+    if not (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)):
+        return None
+    num = node.operand
+    if isinstance(num, ast.Constant) and type(num.value) is int and num.lineno == node.lineno:
+        if num.col_offset == node.col_offset + 1:  # offsets count bytes: one byte apart is the '-' itself
+            return -num.value
+    return None
+
+
 def _eval_countdown(node: ast.AST, used: list[int]) -> Fraction:
-    """Evaluate + - * / over integer literals and parentheses only; anything else is invalid."""
+    """Evaluate + - * / over integer literals and parentheses only; anything else is invalid, a sign included
+    (see :func:`check_countdown`; a negative literal ``-3`` is the number -3)."""
     if isinstance(node, ast.Expression):
         return _eval_countdown(node.body, used)
     if isinstance(node, ast.Constant) and type(node.value) is int:
         used.append(node.value)
         return Fraction(node.value)
+    if (negative := _negative_literal(node)) is not None:
+        used.append(negative)
+        return Fraction(negative)
     if isinstance(node, ast.BinOp) and type(node.op) in (ast.Add, ast.Sub, ast.Mult, ast.Div):
         a, b = _eval_countdown(node.left, used), _eval_countdown(node.right, used)
         if isinstance(node.op, ast.Add):
@@ -129,31 +146,127 @@ def _eval_countdown(node: ast.AST, used: list[int]) -> Fraction:
     raise _Invalid(f"{type(node).__name__} is not allowed")
 
 
+#: The largest denominator a rounded Countdown target is read back to (see :func:`exact_target`).
+TARGET_MAX_DENOMINATOR = 10**6
+#: A fraction with denominator q is read from a rounded target only where q**2 times the width of its rounding
+#: interval is at most this: the chance of a misread, about (see :func:`exact_target`).
+TARGET_MISREAD = Fraction(1, 10**3)
+_DECIMAL = re.compile(r"[-+]?\d*\.(\d+)")
+
+
+def _simplest_in(lo: Fraction, hi: Fraction, max_den: int) -> Fraction | None:
+    """The fraction with the smallest denominator in ``[lo, hi]`` (``0 < lo <= hi``), or None where that
+    denominator is over ``max_den``: the continued fraction both ends share, then the smallest integer that fits
+    (the Stern-Brocot descent). Denominators only grow on the way down, so it stops once one passes ``max_den``."""
+    h0, k0, h1, k1 = 0, 1, 1, 0  # the last two convergents: value = (h1 * rest + h0) / (k1 * rest + k0)
+    while True:
+        a = lo.numerator // lo.denominator
+        if a == lo or a + 1 <= hi:  # an integer fits: the smallest one ends the expansion
+            term = a if a == lo else a + 1
+            k = term * k1 + k0
+            return Fraction(term * h1 + h0, k) if k <= max_den else None
+        h0, k0, h1, k1 = h1, k1, a * h1 + h0, a * k1 + k0
+        if k1 > max_den:
+            return None
+        lo, hi = 1 / (hi - a), 1 / (lo - a)  # both ends lie in (a, a + 1): go on with 1 / (x - a)
+
+
+def _recover(value: Fraction, lo: Fraction, hi: Fraction) -> Fraction | None:
+    """The smallest-denominator fraction in the rounding interval ``[lo, hi]`` of ``value`` (same sign), if its
+    denominator q passes the bound of :func:`exact_target`; else None."""
+    if value < 0:
+        found = _recover(-value, -hi, -lo)
+        return None if found is None else -found
+    cap = min(TARGET_MAX_DENOMINATOR, math.isqrt(math.floor(TARGET_MISREAD / (hi - lo))))
+    return _simplest_in(lo, hi, cap) if cap >= 1 else None
+
+
+def _float_interval(x: float) -> tuple[Fraction, Fraction]:
+    """The reals that round to the finite float ``x``: from the midpoint to its lower neighbour to the one above."""
+    exact = Fraction(x)
+    return (exact + Fraction(math.nextafter(x, -math.inf))) / 2, (exact + Fraction(math.nextafter(x, math.inf))) / 2
+
+
 def exact_target(target: int | float | str | Fraction) -> Fraction:
-    """A Countdown target as an exact fraction: ``1.5``, ``"1.5"`` and ``"3/2"`` are all 3/2. A float means the
-    decimal it is written as (``0.1`` -> 1/10, not the binary double just above it), so no tolerance is needed."""
-    if isinstance(target, bool):
+    """A Countdown target as an exact fraction. Integers, fractions (``Fraction``, ``"3/2"``) and whole values are
+    exact. A float or a plain decimal string with a fractional part is a rounded value: it means the fraction with
+    the smallest denominator that rounds to it, where one is simple enough to be trusted, else exactly the decimal
+    it is written as (the float's shortest ``repr``, the string as written; this was the only rule before).
+
+    Rounds to it: for a float x, ``float(f) == x`` (f lies between the midpoints to x's neighbours); for a string
+    with d decimals, ``|f - value| <= 0.5 * 10**-d`` or, if it has at most 17 significant digits (it may be a
+    printed double: ``repr(-7/3)`` is ``-2.3333333333333335``, 1.7e-16 from -7/3), ``float(f) == float(value)``.
+    Call the width of that interval w. Trusted: denominator q <= 10**6 and ``q**2 * w <= 10**-3``
+    (``TARGET_MAX_DENOMINATOR``, ``TARGET_MISREAD``). About 0.3 Q**2 fractions with denominator <= Q lie in each
+    unit interval, so a value that is no such fraction is misread with chance about 3e-4, and no two of them fit
+    one interval (they differ by >= 1/Q**2 >= 1000 w): the result is the only candidate, not a pick among several.
+    For a float p/q that admits q * |p| up to about 2e12, e.g. every fraction of six numbers up to 100; 10**6
+    only caps the search where w is tiny. Hence:
+
+    * ``266.6666666666667`` (``repr(800/3)``), as a float or that string, is 800/3; ``repr(2/3)`` is 2/3;
+      ``repr(-7/3)`` is -7/3.
+    * ``0.1``, ``1.5``, ``266.67`` as floats are 1/10, 3/2, 26667/100: a short decimal is itself the simplest
+      fraction its float stands for (others differ from it by far more than the float's rounding interval).
+    * The strings ``"0.1"``, ``"0.3"``, ``"1.5"``, ``"266.67"`` are exact (1/10, 3/10, 3/2, 26667/100): a string
+      with few decimals admits many simple fractions (800/3 and 21067/79 both round to 266.67; 1/3 to 0.3), so it
+      is taken as written. A string needs four decimals before 1/3 is read back (``"0.3333"``, not ``"0.333"``).
+    * A denominator over the bound (``repr(1/3000000)``, or ``1e15 + 1/6``, whose float is 1e15 + 0.125) is not
+      read back: the target is that decimal.
+
+    The answer must then equal this fraction exactly: nothing within a tolerance of it is right. A bool, NaN, an
+    infinity, or a string that is no number raises ValueError naming the target."""
+    if isinstance(target, bool) or (isinstance(target, float) and not math.isfinite(target)):
         raise ValueError(f"Countdown target {target!r} is not a number")
     if isinstance(target, float):
-        return Fraction(repr(target))  # the shortest decimal that round-trips: 0.1 -> "0.1" -> 1/10
+        decimal = Fraction(repr(target))  # the shortest decimal that round-trips: 0.1 -> "0.1" -> 1/10
+        if target.is_integer():
+            return decimal
+        found = _recover(Fraction(target), *_float_interval(target))
+        return found if found is not None and float(found) == target else decimal
     if isinstance(target, (int, Fraction)):
         return Fraction(target)
-    value = parse_number(str(target))
+    text = str(target).strip()
+    value = parse_number(text)
     if value is None:
         raise ValueError(f"Countdown target {target!r} is not a number")
+    if (m := _DECIMAL.fullmatch(text)) and value.denominator != 1:
+        half = Fraction(1, 2 * 10 ** len(m.group(1)))
+        lo, hi = value - half, value + half
+        if len(text.lstrip("+-").replace(".", "").lstrip("0")) <= 17:  # it may be a printed double
+            flo, fhi = _float_interval(float(value))
+            lo, hi = min(lo, flo), max(hi, fhi)
+        found = _recover(value, lo, hi)
+        return value if found is None else found
     return value
+
+
+def _target_text(text: str) -> Fraction | None:
+    """The number after an answer's ``=``, read by the rule of a target, or None where it is no number."""
+    try:
+        return exact_target(text)
+    except ValueError:
+        return None
 
 
 def check_countdown(response: str, numbers: list[int], target: int | float | str | Fraction) -> Verdict:
     """Countdown: the <answer> expression uses each given number exactly once and equals ``target`` exactly
-    (rational arithmetic: ``3 / 2`` equals a target of 1.5). A trailing ``= <target>`` is allowed."""
+    (rational arithmetic: ``3 / 2`` equals a target of 1.5; a rounded target such as 266.6666666666667 means the
+    fraction it stands for, 800/3, by :func:`exact_target`). A trailing ``= <target>`` is allowed when it reads as
+    the target by the same rule (the target as printed may be echoed); a false one (``= 61``) makes it WRONG.
+
+    Signs: the game combines numbers with the binary ``+ - * /`` and parentheses only, so a unary sign is WRONG:
+    ``-48 + 92 + 54``, ``+48``, ``--48``, ``-(5 - 25) * 3``, ``- 48``. The exception is a minus written directly
+    against an integer, ``-3``: the negative number -3, which like every literal must be one of the given numbers
+    (so a given 48 cannot be written ``-48``). No positive target is lost: with positive numbers, every expression
+    with signs equals plus or minus a sign-free one over the same numbers, and a negative sign-free value has a
+    sign-free negation (``-48 + 92 + 54`` is ``92 + 54 - 48``; ``-(a - b)`` is ``b - a``)."""
     want = exact_target(target)
     expr = extract_answer_tag(response)
     if expr is None:
         return Verdict.MISSING
     if expr.count("=") == 1 and len(expr) <= 200:
         lhs, rhs = expr.split("=")
-        if parse_number(rhs) == want:
+        if _target_text(rhs) == want:
             expr = lhs
     expr = expr.replace("×", "*").replace("÷", "/").replace("−", "-")
     if len(expr) > 200:

@@ -144,9 +144,11 @@ def test_a_countdown_target_that_is_no_number_is_refused_by_name(target):
 
 
 def test_countdown_float_targets_mean_their_decimal_value():
-    """0.1 is not exactly 1/10 in binary; the target means the decimal it is written as."""
+    """0.1 is not exactly 1/10 in binary; the target means the decimal it is written as, unless it is a rounded
+    fraction: repr(2/3) means 2/3 (tests/unit/test_countdown_targets.py), and nothing merely near it is right."""
     assert check_countdown("<answer>1 / 10</answer>", [1, 10], 0.1) is C
-    assert check_countdown("<answer>2 / 3</answer>", [2, 3], 0.6666666666666666) is W  # not 2/3: no tolerance
+    assert check_countdown("<answer>2 / 3</answer>", [2, 3], 0.6666666666666666) is C  # repr(2/3) means 2/3
+    assert check_countdown("<answer>6666 / 10000</answer>", [6666, 10000], 0.6666666666666666) is W  # no tolerance
     assert check_countdown("<answer>(25 - 5) * 3</answer>", [25, 5, 3], 60.0) is C
 
 
