@@ -144,7 +144,7 @@ class Pipeline(Algorithm):
                 if rd.read_meta().get("status") != "finished":
                     _run_stage(run, rd, sc, done_before, t.progress)
                 done_before += ALGORITHMS.get(sc.algorithm).planned_budget(sc)
-                run.rd.write_meta(done=done_before)
+                run.rd.write_meta(done=done_before, **stage_scores(rd))
                 summaries.append({"name": rd.path.name, "run_dir": str(rd.path), **_ids(rd)})
             run.rd.link_center(stages[-1][0].center)
             return run.summary(total, stages=summaries, center=str(run.rd.center))
@@ -152,6 +152,14 @@ class Pipeline(Algorithm):
 
 def _ids(rd: RunDir) -> dict[str, Any]:
     return {"mlflow_run_id": rd.read_meta().get("mlflow_run_id")}
+
+
+def stage_scores(rd: RunDir) -> dict[str, Any]:
+    """The stage's ``last_reward`` / ``last_heldout`` as its run.json keeps them (esbatch/train/lifecycle.py), to
+    keep in the pipeline's run.json for `esbatch status`. A score the stage has not logged yet is left out, so the
+    pipeline keeps the previous stage's (a stage without held-out evals: the newest held-out score there is)."""
+    meta = rd.read_meta()
+    return {k: meta[k] for k in ("last_reward", "last_heldout") if meta.get(k) is not None}
 
 
 def _run_stage(run: RunSession, rd: RunDir, sc: TrainConfig, done_before: int, progress: bool) -> None:
@@ -168,10 +176,10 @@ def _run_stage(run: RunSession, rd: RunDir, sc: TrainConfig, done_before: int, p
             child.terminate()  # the stage stops between its updates and marks itself killed
             forwarded = True
         if time.monotonic() - last > 2:
-            run.rd.write_meta(done=done_before + rd.progress())
+            run.rd.write_meta(done=done_before + rd.progress(), **stage_scores(rd))
             last = time.monotonic()
         time.sleep(0.2)
-    run.rd.write_meta(done=done_before + rd.progress())
+    run.rd.write_meta(done=done_before + rd.progress(), **stage_scores(rd))
     stop.check()
     if child.returncode:
         raise RuntimeError(f"stage {rd.path.name} exited with {child.returncode}; re-run to resume it")

@@ -16,7 +16,7 @@ from esbatch.aggregate.evals import default_eval_analyses, load_evals
 from esbatch.aggregate.report import default_analyses, parse_analyses, write_report
 from esbatch.aggregate.results import RunResult
 from esbatch.config import flatten
-from esbatch.launch.state import RunState, SweepDir
+from esbatch.launch.state import RunState, SweepDir, stage_dirs
 from esbatch.launch.submit import folder_notes, run_states
 from esbatch.tracking import MLflowTracker
 from esbatch.tracking.merge import find_child, merge_run
@@ -61,10 +61,30 @@ def merge_offline(sd: SweepDir) -> int:
     return n
 
 
+Points = dict[str, dict[int, float]]  # metric -> step -> value
+
+
 def folder_history(rd: RunDir) -> dict[str, list[tuple[int, float]]]:
     """Every numeric metric a run folder logged, at the steps MLflow has them: ``log.jsonl``'s update metrics
-    at step t + 1, ``eval.jsonl``'s held-out scores at step t. Reads only; a torn last line is skipped."""
-    hist: dict[str, dict[int, float]] = {}
+    at step t + 1, ``eval.jsonl``'s held-out scores at step t. Reads only; a torn last line is skipped.
+
+    A pipeline (esbatch/pipeline.py) logs in its stage folders: their histories are joined into one curve on the
+    pipeline's update axis, stage k's step s at ``offset_k + s`` where ``offset_k`` sums the earlier stages'
+    budgets (:func:`stage_budget`). Where two stages have a point at the same step (the step-0 eval of stage k
+    and the final eval of stage k - 1 score the same weights) the earlier stage's is kept: it was logged first.
+    Metrics of the pipeline folder itself fill steps the stages leave free."""
+    hist: Points = {}
+    offset = 0
+    for st in stage_dirs(rd):
+        _join(hist, _own_history(st), offset)
+        offset += stage_budget(st)
+    _join(hist, _own_history(rd), 0)
+    return {k: sorted(pts.items()) for k, pts in hist.items()}
+
+
+def _own_history(rd: RunDir) -> Points:
+    """The metrics of ``rd``'s own ``log.jsonl`` (step t + 1) and ``eval.jsonl`` (step t)."""
+    hist: Points = {}
 
     def add(name: str, step: int, v: Any) -> None:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -79,7 +99,28 @@ def folder_history(rd: RunDir) -> dict[str, list[tuple[int, float]]]:
             for k, v in rec.items():
                 if k != "t":
                     add(k, rec["t"], v)
-    return {k: sorted(pts.items()) for k, pts in hist.items()}
+    return hist
+
+
+def _join(into: Points, pts: Points, offset: int) -> None:
+    """Add ``pts`` shifted by ``offset`` steps; a step ``into`` already has keeps its value."""
+    for name, steps in pts.items():
+        mine = into.setdefault(name, {})
+        for step, v in steps.items():
+            mine.setdefault(offset + step, v)
+
+
+def stage_budget(st: RunDir) -> int:
+    """A pipeline stage's length on the pipeline's update axis: its budget as its run.json records it
+    (``total_updates``, the split the pipeline gave it), so a stage stopped half-way still places the next one
+    where the pipeline's own count does; a stage folder without one counts the updates it logged."""
+    try:
+        total = st.read_meta().get("total_updates")
+    except RunFolderError:
+        total = None
+    if isinstance(total, int) and not isinstance(total, bool):
+        return total
+    return len(read_jsonl(st.log)[0])
 
 
 def collect(
@@ -89,7 +130,8 @@ def collect(
 
     ``metrics=None`` reads every metric each run logged (any name an analysis may ask for, not a fixed
     list). A metric MLflow lacks (a run that never reached it, or a store that was lost) is read from the run
-    folder's ``log.jsonl`` / ``eval.jsonl`` (:func:`folder_history`)."""
+    folder's ``log.jsonl`` / ``eval.jsonl`` (:func:`folder_history`). A pipeline's MLflow run logs no metrics
+    (its stages' runs, nested under it, do): its whole history is its stages' curve joined from their folders."""
     from mlflow.tracking import MlflowClient
 
     meta = sd.read()

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import fcntl
 import json
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,6 +159,7 @@ def planned_total(plan: Any, meta: dict[str, Any]) -> int | None:
     return total if total is not None else meta.get("total_updates")
 
 
+STAGE_NAME = re.compile(r"stage(\d+)-(\w+)")  # RunDir.stage(k, algorithm)
 STARTING = {".lock", "task.log"}  # what a task writes before the run's config.yaml: a run folder still starting
 
 
@@ -197,12 +199,42 @@ def disk_state(rd: RunDir, plan: Any) -> tuple[str, int, int | None, float | Non
     status = meta.get("status", "running")
     if status == "finished" and total is not None and done < total:
         status = "interrupted"  # finished under a smaller budget: continue it
-    reward, heldout = meta.get("last_reward"), meta.get("last_heldout")
-    if "last_reward" not in meta:  # a folder from before run.json kept it
-        ups, evals = rd.updates() if rd.log.exists() else [], rd.evals()
-        reward = ups[-1]["metrics"].get("reward/mean") if ups else None
-        heldout = max(evals, key=lambda e: e["t"]).get("heldout/accuracy") if evals else None
+    reward, heldout = kept_scores(rd, meta)
     return status, done, total, reward, heldout
+
+
+def stage_dirs(rd: RunDir) -> list[RunDir]:
+    """A pipeline's stage folders (``stage<k>-<algorithm>``, esbatch/pipeline.py) in the order of k; [] for any
+    other run, or a pipeline that has not begun a stage."""
+    if not rd.path.is_dir():
+        return []
+    found = [(int(m[1]), p) for p in rd.path.iterdir() if (m := STAGE_NAME.fullmatch(p.name)) and p.is_dir()]
+    return [RunDir(p) for _, p in sorted(found)]
+
+
+def kept_scores(rd: RunDir, meta: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(last mean reward, last held-out accuracy) as run.json keeps them. A folder from before run.json kept
+    them reads its logs; a pipeline from before its run.json kept them reads them from its newest stage that has
+    each (a damaged stage folder is passed over)."""
+    if "last_reward" in meta:
+        return meta.get("last_reward"), meta.get("last_heldout")
+    stages = stage_dirs(rd)
+    if stages:
+        scores = []
+        for st in reversed(stages):
+            try:
+                scores.append(kept_scores(st, st.read_meta()))
+            except RunFolderError:
+                continue
+        return _first_known(r for r, _ in scores), _first_known(h for _, h in scores)
+    ups, evals = rd.updates() if rd.log.exists() else [], rd.evals()
+    reward = ups[-1]["metrics"].get("reward/mean") if ups else None
+    heldout = max(evals, key=lambda e: e["t"]).get("heldout/accuracy") if evals else None
+    return reward, heldout
+
+
+def _first_known(values: Iterable[float | None]) -> float | None:
+    return next((v for v in values if v is not None), None)
 
 
 def combine(disk: str, sched: str | None) -> str:

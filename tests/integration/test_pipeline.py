@@ -10,6 +10,8 @@ from safetensors.torch import load_file
 from toy import run_esbatch, toy_config
 
 from esbatch.config import ConfigError, config_from_dict
+from esbatch.launch.state import SweepDir
+from esbatch.launch.submit import run_states
 from esbatch.pipeline import stage_budgets, stage_configs
 from esbatch.train.schedule import batch_indices, schedule_start
 
@@ -83,7 +85,8 @@ def test_es_then_grpo_pipeline(tmp_path, tiny_model_dir):
     (parent,) = [r for r in runs if r.data.tags.get("algorithm") == "pipeline"]
     kids = {r.data.tags["algorithm"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
     assert set(kids) == {"es", "grpo"} and parent.info.status == "FINISHED"
-    assert json.loads((rd / "run.json").read_text())["status"] == "finished"
+    meta, last = (json.loads((d / "run.json").read_text()) for d in (rd, rd / "stage2-grpo"))
+    assert meta["status"] == "finished" and meta["last_reward"] == last["last_reward"] is not None  # for status
     # re-running finds both stages finished and trains nothing
     p = run_esbatch("train", "--resume", str(rd), "--no-progress", timeout=300)
     assert p.returncode == 0 and "pipeline stage" not in p.stderr
@@ -115,6 +118,9 @@ def test_pipelines_are_swept_like_any_config(tmp_path, tiny_model_dir):
     runs = sorted((tmp_path / "out" / "order" / "runs").iterdir())
     stages = sorted(sorted(q.name for q in r.iterdir() if q.is_dir() and q.name.startswith("stage")) for r in runs)
     assert stages == [["stage1-es", "stage2-grpo"], ["stage1-grpo", "stage2-es"]]
+    sd = SweepDir(tmp_path / "out" / "order")  # reported like any run: `esbatch status` shows their last reward
+    assert [(s.state, s.last_reward is not None) for s in run_states(sd)] == [("finished", True)] * 2
+    assert "None: all 2 runs finished" in (sd.results / "README.md").read_text()  # not "needing attention"
 
 
 def test_a_grpo_stage_with_inner_iterations_consumed_one_batch_per_mu_steps(tmp_path):
