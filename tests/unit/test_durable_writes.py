@@ -661,7 +661,12 @@ def durable_sites() -> set[tuple[str, str]]:
         for qual, fn in _functions(tree):
             for n in _own_nodes(fn):
                 f = getattr(n, "func", None)
-                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "durable":
+                if (
+                    isinstance(f, ast.Attribute)
+                    and isinstance(f.value, ast.Name)
+                    and f.value.id == "durable"
+                    and f.attr != "as_os_error"  # reads an error, writes nothing
+                ):
                     sites.add((path, qual))
     return sites
 
