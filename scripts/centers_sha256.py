@@ -38,8 +38,13 @@ def center_sha256(path: Path) -> str:
 
 def train(args: list[str]) -> None:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "esbatch", "train", *args, "--no-progress"], cwd=ROOT, env=env,
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "esbatch", "train", *args, "--no-progress"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if p.returncode != 0:
         sys.exit(f"esbatch train {' '.join(args)} failed:\n{(p.stdout + p.stderr)[-3000:]}")
 
@@ -48,21 +53,44 @@ def main() -> None:
     work = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="centers-"))
     model = make_tiny_model(work / "tiny")
     runs = work / "runs"
-    sets = [f"run.output_dir={runs}", "run.name=qs", "es.updates=3", "task.heldout_size=0", "eval.every=0",
-            "run.threads=1"]
+    sets = [
+        f"run.output_dir={runs}",
+        "run.name=qs",
+        "es.updates=3",
+        "task.heldout_size=0",
+        "eval.every=0",
+        "run.threads=1",
+    ]
     train(["quickstart", *(a for s in sets for a in ("--set", s))])
-    common = dict(run={"seed": 3, "threads": 1, "output_dir": str(runs)}, eval={"every": 0}, heldout=0,
-                  gen_batch=16, tracking={"experiment": "centers"})
-    grpo = toy_config(model, **{**common, "run": {**common["run"], "name": "grpo"}}, algorithm="grpo", es=None,
-                      grpo={"group_size": 4, "batch_size": 2, "learning_rate": 1e-3, "updates": 2})
-    pipe = toy_config(model, **{**common, "run": {**common["run"], "name": "pipe"}}, algorithm="pipeline",
-                      pipeline={"stages": ["es", "grpo"], "updates": 4},
-                      grpo={"group_size": 4, "batch_size": 2, "learning_rate": 1e-3})
+    common = dict(
+        run={"seed": 3, "threads": 1, "output_dir": str(runs)},
+        eval={"every": 0},
+        heldout=0,
+        gen_batch=16,
+        tracking={"experiment": "centers"},
+    )
+    grpo = toy_config(
+        model,
+        **{**common, "run": {**common["run"], "name": "grpo"}},
+        algorithm="grpo",
+        es=None,
+        grpo={"group_size": 4, "batch_size": 2, "learning_rate": 1e-3, "updates": 2},
+    )
+    pipe = toy_config(
+        model,
+        **{**common, "run": {**common["run"], "name": "pipe"}},
+        algorithm="pipeline",
+        pipeline={"stages": ["es", "grpo"], "updates": 4},
+        grpo={"group_size": 4, "batch_size": 2, "learning_rate": 1e-3},
+    )
     for name, cfg in (("grpo", grpo), ("pipe", pipe)):
         (work / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
         train([str(work / f"{name}.yaml")])
-    for label, path in (("quickstart-es", runs / "qs"), ("tiny-grpo", runs / "grpo"),
-                        ("tiny-es-grpo", runs / "pipe" / "stage2-grpo")):
+    for label, path in (
+        ("quickstart-es", runs / "qs"),
+        ("tiny-grpo", runs / "grpo"),
+        ("tiny-es-grpo", runs / "pipe" / "stage2-grpo"),
+    ):
         print(f"{label:14s} {center_sha256(path / 'center.safetensors')}")
 
 
