@@ -16,7 +16,7 @@ from esbatch.aggregate.evals import default_eval_analyses, load_evals
 from esbatch.aggregate.report import default_analyses, parse_analyses, write_report
 from esbatch.aggregate.results import RunResult
 from esbatch.config import flatten
-from esbatch.launch.state import RunState, SweepDir, stage_dirs
+from esbatch.launch.state import RunState, SweepDir
 from esbatch.launch.submit import folder_notes, run_states
 from esbatch.tracking import MLflowTracker
 from esbatch.tracking.merge import find_child, merge_run
@@ -75,7 +75,7 @@ def folder_history(rd: RunDir) -> dict[str, list[tuple[int, float]]]:
     Metrics of the pipeline folder itself fill steps the stages leave free."""
     hist: Points = {}
     offset = 0
-    for st in stage_dirs(rd):
+    for st in rd.stages():
         _join(hist, _own_history(st), offset)
         offset += stage_budget(st)
     _join(hist, _own_history(rd), 0)

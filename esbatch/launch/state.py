@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import re
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -159,7 +158,6 @@ def planned_total(plan: Any, meta: dict[str, Any]) -> int | None:
     return total if total is not None else meta.get("total_updates")
 
 
-STAGE_NAME = re.compile(r"stage(\d+)-(\w+)")  # RunDir.stage(k, algorithm)
 STARTING = {".lock", "task.log"}  # what a task writes before the run's config.yaml: a run folder still starting
 
 
@@ -203,22 +201,13 @@ def disk_state(rd: RunDir, plan: Any) -> tuple[str, int, int | None, float | Non
     return status, done, total, reward, heldout
 
 
-def stage_dirs(rd: RunDir) -> list[RunDir]:
-    """A pipeline's stage folders (``stage<k>-<algorithm>``, esbatch/pipeline.py) in the order of k; [] for any
-    other run, or a pipeline that has not begun a stage."""
-    if not rd.path.is_dir():
-        return []
-    found = [(int(m[1]), p) for p in rd.path.iterdir() if (m := STAGE_NAME.fullmatch(p.name)) and p.is_dir()]
-    return [RunDir(p) for _, p in sorted(found)]
-
-
 def kept_scores(rd: RunDir, meta: dict[str, Any]) -> tuple[float | None, float | None]:
     """(last mean reward, last held-out accuracy) as run.json keeps them. A folder from before run.json kept
     them reads its logs; a pipeline from before its run.json kept them reads them from its newest stage that has
     each (a damaged stage folder is passed over)."""
     if "last_reward" in meta:
         return meta.get("last_reward"), meta.get("last_heldout")
-    stages = stage_dirs(rd)
+    stages = rd.stages()
     if stages:
         scores = []
         for st in reversed(stages):

@@ -28,7 +28,6 @@ from esbatch.tracking.spool import (
     RETRY_EVERY_S,
     Spool,
     TrackingStoreError,
-    damaged,
     describe,
     now_ms,
     retry,
@@ -201,7 +200,7 @@ class MLflowTracker:
         except Exception as e:
             if not transient(e):
                 raise
-            raise TrackingStoreError(self.uri, e, 1 if damaged(e) else len(BACKOFF_S) + 1) from e
+            raise TrackingStoreError(self.uri, e) from e
 
     def _experiment(self, experiment: str, uri: str, artifact_root: str | Path | None) -> str:
         exp = self.client.get_experiment_by_name(experiment)

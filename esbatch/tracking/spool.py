@@ -78,7 +78,7 @@ class TrackingStoreError(RuntimeError):
     """The MLflow store could not be opened, or a run not created in it (so before training starts): damaged, or
     still refusing after every try. The message is one paragraph: the store, why, what to do."""
 
-    def __init__(self, uri: str, e: BaseException, tries: int) -> None:
+    def __init__(self, uri: str, e: BaseException) -> None:
         db = uri[len("sqlite:///") :] if uri.startswith("sqlite:///") else None
         why = damaged(e)
         if why is not None and db is not None:
@@ -90,9 +90,9 @@ class TrackingStoreError(RuntimeError):
             )
         else:
             msg = (
-                f"the MLflow store {db or uri} did not answer after {tries} tries ({describe(e)}). Nothing is "
-                "lost: the run folders keep everything computed. If another process holds it (a long write on a "
-                "busy disk) or the server is down, run again later; or set tracking.uri to another store"
+                f"the MLflow store {db or uri} did not answer after {len(BACKOFF_S) + 1} tries ({describe(e)}). "
+                "Nothing is lost: the run folders keep everything computed. If another process holds it (a long "
+                "write on a busy disk) or the server is down, run again later; or set tracking.uri to another store"
             )
         super().__init__(msg)
         self.uri = uri

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from esbatch import durable
+
+_STAGE = re.compile(r"stage(\d+)-(\w+)")  # RunDir.stage(k, algorithm)
 
 if TYPE_CHECKING:  # torch is imported lazily: `esbatch status` reads run folders without it
     import torch
@@ -105,6 +108,14 @@ class RunDir:
     def stage(self, k: int, algorithm: str) -> RunDir:
         """The folder of a pipeline's k-th stage (1-based)."""
         return RunDir(self.path / f"stage{k}-{algorithm}")
+
+    def stages(self) -> list[RunDir]:
+        """A pipeline's stage folders (:meth:`stage`) in the order of k; [] for any other run, or a pipeline that
+        has not begun a stage."""
+        if not self.path.is_dir():
+            return []
+        found = [(int(m[1]), p) for p in self.path.iterdir() if (m := _STAGE.fullmatch(p.name)) and p.is_dir()]
+        return [RunDir(p) for _, p in sorted(found)]
 
     def offline_uri(self) -> str:
         return f"sqlite:///{self.offline_store.resolve()}"

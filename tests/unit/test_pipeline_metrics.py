@@ -18,7 +18,7 @@ import pytest
 
 from esbatch.aggregate.collect import folder_history, stage_budget
 from esbatch.config import config_from_dict
-from esbatch.launch.state import disk_state, stage_dirs
+from esbatch.launch.state import disk_state
 from esbatch.pipeline import stage_scores
 from esbatch.train.rundir import RunDir
 
@@ -128,7 +128,7 @@ def test_the_next_stage_starts_at_the_earlier_ones_budget_not_at_what_they_logge
     stage(pipe, 2, "grpo", [0.5], [{"t": 0, HELDOUT: 0.3}], {"status": "running"})
     assert folder_history(pipe)["reward/mean"] == [(1, 0.1), (2, 0.2), (5, 0.5)]
     assert folder_history(pipe)[HELDOUT] == [(4, 0.3)]
-    assert [stage_budget(st) for st in stage_dirs(pipe)] == [4, 1]
+    assert [stage_budget(st) for st in pipe.stages()] == [4, 1]
     (pipe.path / "stage1-es" / "run.json").write_text(json.dumps({"status": "finished"}))
     assert folder_history(pipe)["reward/mean"] == [(1, 0.1), (2, 0.2), (3, 0.5)]
 
@@ -138,12 +138,12 @@ def test_stages_are_ordered_by_their_number_not_their_name(tmp_path):
     for k in (10, 2, 1):
         run_folder(pipe.stage(k, "es").path, {})
     (pipe.path / "stage3-es.yaml").write_text("x: 1\n")  # the stage's config next to the folders: not a stage
-    assert [st.path.name for st in stage_dirs(pipe)] == ["stage1-es", "stage2-es", "stage10-es"]
+    assert [st.path.name for st in pipe.stages()] == ["stage1-es", "stage2-es", "stage10-es"]
 
 
 def test_a_pipeline_without_stages_yet(tmp_path):
     pipe = run_folder(tmp_path / "p", {"status": "running", "total_updates": 5, "done": 0})
-    assert stage_dirs(pipe) == [] and folder_history(pipe) == {}
+    assert pipe.stages() == [] and folder_history(pipe) == {}
     assert disk_state(pipe, pipeline_plan()) == ("running", 0, 5, None, None)
 
 
