@@ -193,7 +193,7 @@ def _eval_metrics(v: Any) -> list[str]:
     items = _key_list(v)
     bad = [m for m in items if not _EVAL_METRIC.match(m)]
     if not items or bad:
-        raise Invalid(f"got {bad or v!r}")
+        raise Invalid(f"got {bad or v!r}; valid: a list of pass@K, maj@K, entropy, greedy, format, f1")
     return items
 
 

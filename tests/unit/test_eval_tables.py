@@ -22,6 +22,7 @@ from esbatch.aggregate.evals import (
     write_pareto,
     write_passk,
 )
+from esbatch.config import ConfigError
 from esbatch.config.aggregate import parse_specs
 from esbatch.launch.state import SweepDir
 
@@ -217,3 +218,9 @@ def test_below_base_counts_a_model_task_cell_only_when_below_on_both_metrics(tmp
 )
 def test_cells_print_entropy_in_nats_to_three_decimals_and_rates_in_percent(metric, v, plain, signed):
     assert (_fmt(metric, v), _fmt(metric, v, sign=True)) == (plain, signed)
+
+
+@pytest.mark.parametrize("key", ["metrics", "below_base_on"])
+def test_a_bad_eval_metric_is_named_with_the_valid_forms(key):
+    with pytest.raises(ConfigError, match=rf"aggregate\[0\]\.{key}: got \['bogus'\]; valid: a list of pass@K, maj@K"):
+        parse_specs([{"kind": "eval_wins", "name": "w", key: ["pass@16", "bogus"]}])
