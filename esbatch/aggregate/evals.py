@@ -9,9 +9,9 @@ Pass@1 against the update sparsity s_tau of the ``threshold:`` phase's checkpoin
 Every number is read back from the eval folders' per-problem samples (esbatch/eval/runner.py), so each cell
 knows how many problems and samples it rests on. A difference between two models is paired over problems
 (the same problems, in the same order, are evaluated for every model) and carries a 95% percentile
-bootstrap interval over problems (2,000 resamples, seed 0); the held-out average is the mean over the
-held-out tasks that have the metric (the training task is shown but not averaged), its interval from a
-stratified bootstrap (each task's problems resampled on their own).
+bootstrap interval over problems (2,000 resamples, seed 0). An average column is the mean over its tasks that
+have the metric (an analysis's ``averages``; by default one over the held-out tasks: the training task is shown
+but not averaged), its interval from a stratified bootstrap (each task's problems resampled on their own).
 """
 
 from __future__ import annotations
@@ -113,13 +113,20 @@ class EvalSet:
             )
         return errors
 
-    def tasks_of(self, a: Any) -> tuple[list[str], list[str]]:
-        """(tasks shown, held-out tasks averaged) for analysis ``a`` (its ``tasks`` list, else every task)."""
-        unknown = [t for t in a.tasks if t not in self.task_order]
-        if unknown:
-            raise ConfigError([f"{a.path or a.name}.tasks: no eval has {unknown}; task labels: {self.task_order}"])
+    def tasks_of(self, a: Any) -> tuple[list[str], list[tuple[str, list[str]]]]:
+        """(tasks shown, [(average label, the tasks it averages)]) for analysis ``a``: its ``tasks`` list, else
+        every task; its ``averages``, else one "Held-out avg" over the tasks shown but the training task."""
+        named = {f"{a.path or a.name}.tasks": a.tasks}
+        named.update({f"{a.path or a.name}.averages.{k}": v for k, v in getattr(a, "averages", {}).items()})
+        errors = [
+            f"{where}: no eval has {unknown}; task labels: {self.task_order}"
+            for where, given in named.items()
+            if (unknown := [t for t in given if t not in self.task_order])
+        ]
+        if errors:
+            raise ConfigError(errors)
         tasks = list(a.tasks) or self.task_order
-        return tasks, self.heldout(tasks)
+        return tasks, list(getattr(a, "averages", {}).items()) or [(AVG, self.heldout(tasks))]
 
 
 def load_evals(sd: SweepDir, ks: Sequence[int] = (1, 16, 32)) -> EvalSet:
@@ -257,7 +264,7 @@ def heldout_mean(e: EvalEntry, tasks: list[str], metric: str) -> tuple[float | N
 
 
 def write_eval_table(es: EvalSet, a: Any, out_dir: Path) -> Any:
-    tasks, held = es.tasks_of(a)
+    tasks, averages = es.tasks_of(a)
     csv_rows, parts = [], []
     for panel, entries in _groups(es, a):
         base = _base_of(entries)
@@ -267,12 +274,12 @@ def write_eval_table(es: EvalSet, a: Any, out_dir: Path) -> Any:
                 sizes = [(len(e.tasks[t].ids), e.tasks[t].n) for e in entries if t in e.tasks]
                 p, n = max(sizes) if sizes else (0, 0)
                 header.append(f"{t}{' (train)' if t == es.train_task else ''} ({p}×{n})")
-            header.append(f"{AVG} ({len(held)} tasks)")
+            header += [f"{label} ({len(held)} tasks)" for label, held in averages]
             for e in entries:
                 if a.delta and (e is base or base is None):
                     continue
                 row = [str(e.param(a.rows)) + ("" if e.finished else " *")]
-                diffs = []
+                diffs: dict[str, Any] = {}  # task -> paired differences (delta)
                 for t in tasks:
                     ts = e.tasks.get(t)
                     if ts is None or metric not in ts.values:
@@ -285,27 +292,26 @@ def write_eval_table(es: EvalSet, a: Any, out_dir: Path) -> Any:
                             continue
                         mean, lo, hi = bootstrap_ci([d])
                         row.append(_ci_cell(metric, mean, lo, hi))
-                        if t in held:
-                            diffs.append(d)
+                        diffs[t] = d
                         csv_rows.append([panel, e.param(a.rows), t, metric, mean, lo, hi, len(d), ts.n, e.finished])
                     else:
                         v, p = ts.mean(metric), len(ts.ids)
                         full = max(len(x.tasks[t].ids) for x in entries if t in x.tasks)
                         row.append(_fmt(metric, v) + (f" (n={p})" if p < full else ""))
                         csv_rows.append([panel, e.param(a.rows), t, metric, v, None, None, p, ts.n, e.finished])
-                if a.delta:
-                    if diffs:
-                        mean, lo, hi = bootstrap_ci(diffs)
-                        row.append(
-                            _ci_cell(metric, mean, lo, hi) + ("" if len(diffs) == len(held) else f" ({len(diffs)})")
-                        )
-                        csv_rows.append([panel, e.param(a.rows), AVG, metric, mean, lo, hi, None, None, e.finished])
+                for label, held in averages:
+                    if a.delta:
+                        ds = [diffs[t] for t in held if t in diffs]
+                        if not ds:
+                            row.append("—")
+                            continue
+                        mean, lo, hi = bootstrap_ci(ds)
+                        row.append(_ci_cell(metric, mean, lo, hi) + ("" if len(ds) == len(held) else f" ({len(ds)})"))
+                        csv_rows.append([panel, e.param(a.rows), label, metric, mean, lo, hi, None, None, e.finished])
                     else:
-                        row.append("—")
-                else:
-                    v, k = heldout_mean(e, held, metric)
-                    row.append(_fmt(metric, v) + ("" if k in (0, len(held)) else f" ({k} tasks)"))
-                    csv_rows.append([panel, e.param(a.rows), AVG, metric, v, None, None, None, None, e.finished])
+                        v, k = heldout_mean(e, held, metric)
+                        row.append(_fmt(metric, v) + ("" if k in (0, len(held)) else f" ({k} tasks)"))
+                        csv_rows.append([panel, e.param(a.rows), label, metric, v, None, None, None, None, e.finished])
                 rows.append(row)
             what = f"change vs base in {metric}" if a.delta else metric
             title = f"**{what}**" + (f", {a.panels} = {panel}" if panel is not None else "")
@@ -313,8 +319,7 @@ def write_eval_table(es: EvalSet, a: Any, out_dir: Path) -> Any:
     notes = [
         "Rates in percent (entropy in nats). Column heads: problems × samples per problem. A cell resting on fewer "
         "problems says so (n=...); * = its eval has not finished.",
-        f"{AVG}: mean over the held-out tasks{f' (not {es.train_task})' if es.train_task else ''} that have the "
-        "metric; a count in brackets when a model lacks some of them.",
+        _averages_note(averages),
     ]
     if a.delta:
         notes.append(
@@ -325,6 +330,12 @@ def write_eval_table(es: EvalSet, a: Any, out_dir: Path) -> Any:
     csv_path = write_csv(out_dir / f"{a.name}.csv", header, csv_rows)
     body = "\n\n".join(parts + ["*" + " ".join(notes) + "*"])
     return finish(a, out_dir, f"{a.name}: {', '.join(a.metrics)}{' vs base' if a.delta else ''}", body, [csv_path])
+
+
+def _averages_note(averages: list[tuple[str, list[str]]]) -> str:
+    """What each average column or panel averages, named task by task."""
+    parts = "; ".join(f"{label} = mean over {', '.join(held) or 'no task'}" for label, held in averages)
+    return f"{parts}: of those a model has the metric for (a count in brackets when it lacks some)."
 
 
 def _ci_cell(metric: str, mean: float, lo: float, hi: float) -> str:
@@ -460,16 +471,17 @@ def _styles(es: EvalSet) -> tuple[dict[Any, str], dict[Any, str]]:
 
 
 def write_pareto(es: EvalSet, a: Any, out_dir: Path) -> Any:
-    """Figure 3: x = Pass@1, y = Pass@K, one point per (method, model), per task and for the held-out average."""
+    """Figure 3: x = Pass@1, y = Pass@K, one point per (method, model), per task and per average."""
 
-    tasks, held = es.tasks_of(a)
-    panels = [*tasks, AVG]
+    tasks, averages = es.tasks_of(a)
+    held_of = dict(averages)
+    panels = [*tasks, *held_of]
     fig, axes = _figure(len(panels))
     color, marker = _styles(es)
     for ax, t in zip(axes, panels):
         for e in es.entries:
-            if t == AVG:
-                (x, _), (y, _) = heldout_mean(e, held, a.x), heldout_mean(e, held, a.y)
+            if t in held_of:
+                (x, _), (y, _) = heldout_mean(e, held_of[t], a.x), heldout_mean(e, held_of[t], a.y)
             else:
                 ts = e.tasks.get(t)
                 x, y = (ts.mean(a.x), ts.mean(a.y)) if ts else (None, None)
@@ -490,7 +502,7 @@ def write_pareto(es: EvalSet, a: Any, out_dir: Path) -> Any:
         ax.set(title=t + (" (train)" if t == es.train_task else ""), xlabel=f"{a.x} (%)", ylabel=f"{a.y} (%)")
         ax.grid(alpha=0.3)
     png = _save(fig, axes, f"{a.name}: {a.x} vs {a.y} (up and right is better)", out_dir / f"{a.name}.png")
-    body = f"![{a.name}]({png.name})\n\n*Colour = method, marker = model; {AVG} = mean over the held-out tasks.*"
+    body = f"![{a.name}]({png.name})\n\n*Colour = method, marker = model. {_averages_note(averages)}*"
     return finish(a, out_dir, f"{a.name}: {a.x} vs {a.y}", body, [png])
 
 

@@ -212,10 +212,38 @@ class EvalAnalysis(Analysis):
         return {k: v for k, v in super().param_fields().items() if not k.startswith("tasks[")}  # labels, not params
 
 
+@expects(
+    "a mapping of column label to task labels, e.g. {Math avg: [AIME24, AIME25, AMC23, MATH-500]}; {} = one "
+    "'Held-out avg' over the shown tasks but the training task"
+)
+def _averages(v: Any) -> dict[str, list[str]]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict) or not all(isinstance(k, str) and k.strip() for k in v):
+        raise Invalid(f"got {v!r}")
+    out = {k: _key_list(t) for k, t in v.items()}
+    empty = [k for k, t in out.items() if not t]
+    if empty:
+        raise Invalid(f"{empty[0]!r} averages no task")
+    return out
+
+
 @dataclass(kw_only=True)
-class EvalTableAnalysis(EvalAnalysis):
+class AveragedAnalysis(EvalAnalysis):
+    """An eval analysis with average columns (or panels): which tasks each average covers."""
+
+    averages: dict[str, list[str]] = setting(
+        {},
+        "average columns, label -> the task labels it averages (the paper's Hard setting keeps the math and the "
+        "held-out non-math averages apart); {} = one 'Held-out avg' over the shown tasks but the training task",
+        check=_averages,
+    )
+
+
+@dataclass(kw_only=True)
+class EvalTableAnalysis(AveragedAnalysis):
     """Paper Tables 2/3/5 (Pass@K), 8/9 (Maj@K) and, with ``delta``, 10 (change vs the base model): one table
-    per metric and ``panels`` value, ``rows`` x tasks plus the average over held-out tasks."""
+    per metric and ``panels`` value, ``rows`` x tasks plus each average of ``averages``."""
 
     kind: ClassVar[str] = "eval_table"
     unknown_key: ClassVar[str] = "unknown key for kind 'eval_table'"
@@ -248,8 +276,8 @@ class EvalWinsAnalysis(EvalAnalysis):
 
 
 @dataclass(kw_only=True)
-class ParetoAnalysis(EvalAnalysis):
-    """Paper Figure 3: every model's Pass@1 (x) against Pass@K (y), one panel per task and the held-out average."""
+class ParetoAnalysis(AveragedAnalysis):
+    """Paper Figure 3: every model's Pass@1 (x) against Pass@K (y), one panel per task and per average."""
 
     kind: ClassVar[str] = "pareto"
     unknown_key: ClassVar[str] = "unknown key for kind 'pareto'"

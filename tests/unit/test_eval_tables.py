@@ -224,3 +224,30 @@ def test_cells_print_entropy_in_nats_to_three_decimals_and_rates_in_percent(metr
 def test_a_bad_eval_metric_is_named_with_the_valid_forms(key):
     with pytest.raises(ConfigError, match=rf"aggregate\[0\]\.{key}: got \['bogus'\]; valid: a list of pass@K, maj@K"):
         parse_specs([{"kind": "eval_wins", "name": "w", key: ["pass@16", "bogus"]}])
+
+
+def test_each_average_column_means_exactly_its_own_tasks(evalset, tmp_path):
+    """The Hard setting's two averages kept apart: a column per ``averages`` entry, over its tasks only (the
+    training task included when named), its header and note naming them; the delta average pairs the same tasks."""
+    spec = {"kind": "eval_table", "name": "t", "metrics": ["pass@1"], "averages": {"Math": ["Train", "A"], "B": ["B"]}}
+    (a,) = parse_specs([spec])
+    write_eval_table(evalset, a, tmp_path)
+    md = (tmp_path / "t.md").read_text()
+    # ES: Train 50.0, A 37.5, B 31.25 -> Math (Train, A) 43.75, B 31.25; no default held-out column
+    assert "| ES | 50.0 | 37.5 | 31.2 | 43.8 | 31.2 |" in md, md
+    assert "Math (2 tasks)" in md and "B (1 tasks)" in md and "Held-out avg" not in md
+    assert "Math = mean over Train, A; B = mean over B" in md
+    (d,) = parse_specs([{**spec, "name": "d", "delta": True}])
+    write_eval_table(evalset, d, tmp_path)
+    lines = [r.split(",") for r in (tmp_path / "d.csv").read_text().splitlines()[1:]]
+    math = next(r for r in lines if r[1] == "ES" and r[2] == "Math")
+    # ES - Base: Train +0.25 on every problem, A [0, 0, .25, .25]: the mean of the two task means
+    assert float(math[4]) == pytest.approx((0.25 + 0.125) / 2)
+
+
+def test_an_average_over_an_unknown_task_is_named(evalset, tmp_path):
+    (a,) = parse_specs([{"kind": "pareto", "name": "p", "averages": {"Math": ["A", "AIME24"]}}])
+    with pytest.raises(ConfigError, match=r"aggregate\[0\]\.averages\.Math: no eval has \['AIME24'\]"):
+        write_pareto(evalset, a, tmp_path)
+    with pytest.raises(ConfigError, match="averages no task"):
+        parse_specs([{"kind": "eval_table", "name": "t", "averages": {"Math": []}}])
