@@ -23,7 +23,7 @@ from esbatch import durable
 from esbatch.aggregate.collect import aggregate
 from esbatch.aggregate.plots import plot_runs
 from esbatch.analyze.diversity import DiversityInputError, analyze
-from esbatch.analyze.drift import analyze_drift, table4_rows
+from esbatch.analyze.drift import DEFAULT_TAUS, analyze_drift, table4_rows
 from esbatch.analyze.threshold import S_TAU, plot_threshold_curve, threshold_run
 from esbatch.backends import BACKENDS
 from esbatch.config import RESUME_OVERRIDABLE, ConfigError, load_config, load_run_config
@@ -435,6 +435,12 @@ def cmd_plot(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- diagnostics (RQ2)
 
 
+AS_DTYPE_HELP = (
+    "compare theta_final with theta_0 in this dtype (default: theta_0's, the run's compute dtype, as the paper "
+    "counts bf16 models; float32: the fp32 center itself)"
+)
+
+
 def _bad_taus(taus: list[float]) -> str | None:
     bad = [t for t in taus if not (t > 0 and t != float("inf"))]
     if bad:
@@ -481,7 +487,7 @@ def cmd_threshold_curve(args: argparse.Namespace) -> int:
 def cmd_threshold(args: argparse.Namespace) -> int:
     if why := _bad_taus(args.tau):
         return _err(why)
-    for folder in threshold_run(args.run_dir, args.tau, base_dtype=args.base_dtype):
+    for folder in threshold_run(args.run_dir, args.tau, base_dtype=args.base_dtype, as_dtype=args.as_dtype):
         s = json.loads((folder / S_TAU).read_text())
         print(
             f"tau {s['tau']:g}: s_tau {100 * s['s_tau']:.4f}% of nonzero updates zeroed, "
@@ -507,15 +513,15 @@ def _analysis_commands(sub: Any) -> None:
         "--tau",
         type=float,
         nargs="+",
-        default=[1e-6, 1e-5, 1e-4, 1e-3],
-        help="thresholds of s_tau (default: %(default)s)",
+        default=list(DEFAULT_TAUS),
+        help="thresholds of s_tau (default: %(default)s; 1.5e-3 is the paper's, the rest ours)",
     )
     dr.add_argument("--top-k", type=int, default=100, help="largest |delta| coordinates to locate (default 100)")
     dr.add_argument("--bins-per-decade", type=int, default=4, help="histogram bins per power of ten (default 4)")
     dr.add_argument(
         "--base-dtype", choices=DTYPES, help="round theta_0 to this dtype (default: the run's model.dtype, as loaded)"
     )
-    dr.add_argument("--as-dtype", choices=DTYPES, help="round theta_final to this dtype first (e.g. bfloat16)")
+    dr.add_argument("--as-dtype", choices=DTYPES, help=AS_DTYPE_HELP)
     dr.add_argument("--no-mlflow", action="store_true", help="write the files only, log nothing to MLflow")
     dr.set_defaults(func=cmd_analyze_drift)
 
@@ -536,6 +542,7 @@ def _analysis_commands(sub: Any) -> None:
     th.add_argument("run_dir", metavar="RUN_DIR")
     th.add_argument("--tau", type=float, nargs="+", required=True, help="thresholds; one checkpoint folder per tau")
     th.add_argument("--base-dtype", choices=DTYPES, help="round theta_0 to this dtype (default: the run's model.dtype)")
+    th.add_argument("--as-dtype", choices=DTYPES, help=AS_DTYPE_HELP)
     th.set_defaults(func=cmd_threshold)
 
 

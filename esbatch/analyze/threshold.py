@@ -1,7 +1,8 @@
 """Magnitude-thresholded checkpoints (paper Section 4.2) and Figure 4's curve of their evaluations.
 
 `esbatch threshold RUN --tau T...`: for each tau, delta_i := 0 where 0 < |delta_i| <= tau, i.e. theta_i := theta0_i
-there, every other coordinate bit-exactly the run's center (delta and theta_0 as in esbatch/analyze/drift.py).
+there, every other coordinate the run's center rounded to the compared dtype (delta, theta_0 and that dtype as in
+esbatch/analyze/drift.py, the same rule: s_tau here is drift's s_tau).
 Each checkpoint is a folder ``<run>/thresholded/tau-<tau>/`` that `esbatch eval --checkpoint` takes like a run:
 center.safetensors (fp32, metadata ``t`` = the run's update count, plus ``tau``), a copy of the run's config.yaml
 (its base model), run.json (the run's MLflow run, so the eval nests under it) and s_tau.json (the update sparsity).
@@ -81,16 +82,18 @@ class StreamingSafetensors:
         self.tmp.unlink(missing_ok=True)
 
 
-def threshold_tensors(center: Any, base: Any, taus: list[float], base_dtype: str, writers: list[Any]) -> list[dict]:
-    """Stream ``center`` against ``base``: writer j gets theta_final with theta_0 where 0 < |delta| <= taus[j];
-    returns per tau {zeroed, nonzero, total} (exact counts)."""
+def threshold_tensors(
+    center: Any, base: Any, taus: list[float], base_dtype: str, writers: list[Any], as_dtype: str | None = None
+) -> list[dict]:
+    """Stream ``center`` against ``base``: writer j gets theta_final (rounded to ``as_dtype``, default
+    ``base_dtype``) with theta_0 where 0 < |delta| <= taus[j]; returns per tau {zeroed, nonzero, total} (exact)."""
     import torch
 
     counts = [{"zeroed": 0, "nonzero": 0, "total": 0} for _ in taus]
     for name in center.keys():
         if name not in base:
             raise KeyError(f"tensor {name} of the center is not in the base model's files: not the run's base model?")
-        final = center.get(name).to(torch.float32)
+        final = center.get(name).to(getattr(torch, as_dtype or base_dtype)).to(torch.float32)
         theta0 = base.get(name).to(getattr(torch, base_dtype)).to(torch.float32)
         if theta0.shape != final.shape:
             raise KeyError(
@@ -111,17 +114,19 @@ def threshold_tensors(center: Any, base: Any, taus: list[float], base_dtype: str
     return counts
 
 
-def threshold_run(run: str | Path, taus: list[float], base_dtype: str | None = None) -> list[Path]:
+def threshold_run(
+    run: str | Path, taus: list[float], base_dtype: str | None = None, as_dtype: str | None = None
+) -> list[Path]:
     """Write ``<run>/thresholded/tau-<tau>/`` for every tau (see the module docstring); returns the folders."""
     check_taus(taus)
     rw = resolve_run(run)
     if rw.rd.path.parent.name == FOLDER:
         raise RunFolderError(f"{rw.rd.path} is itself a thresholded checkpoint; threshold the run it came from")
     with writer_lock(rw.rd.path):  # <run>/thresholded/ is written into the run folder: one writer
-        return _threshold_run(rw, taus, base_dtype)
+        return _threshold_run(rw, taus, base_dtype or rw.base_dtype, as_dtype or base_dtype or rw.base_dtype)
 
 
-def _threshold_run(rw: Any, taus: list[float], base_dtype: str | None) -> list[Path]:
+def _threshold_run(rw: Any, taus: list[float], base_dtype: str, as_dtype: str) -> list[Path]:
     taus = sorted(set(float(t) for t in taus))
     m = rw.model
     base = SafetensorsReader(weight_files(m.name, m.gguf_file, m.revision))
@@ -135,7 +140,7 @@ def _threshold_run(rw: Any, taus: list[float], base_dtype: str | None) -> list[P
             for tau, folder in zip(taus, folders):
                 meta = {"t": str(rw.t), "tau": f"{tau:g}", "thresholded_from": source}
                 writers.append(StreamingSafetensors(folder / RunDir.CENTER, shapes, meta))
-            counts = threshold_tensors(center, base, taus, base_dtype or rw.base_dtype, writers)
+            counts = threshold_tensors(center, base, taus, base_dtype, writers, as_dtype)
             for w in writers:
                 w.close()
         except KeyError as e:
@@ -155,7 +160,8 @@ def _threshold_run(rw: Any, taus: list[float], base_dtype: str | None) -> list[P
             "updates": rw.t,
             "algorithm": rw.algorithm,
             "source_run": str(rw.rd.path.resolve()),
-            "base_dtype": base_dtype or rw.base_dtype,
+            "base_dtype": base_dtype,
+            "delta_dtype": as_dtype,
         }
         durable.write_text(folder / S_TAU, json.dumps(s, indent=1))
         durable.write_bytes(folder / RunDir.CONFIG, rw.rd.config.read_bytes())
@@ -177,16 +183,18 @@ def _center_header(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def thresholded_intact(folder: str | Path, tau: float, t: int, base_dtype: str) -> bool:
+def thresholded_intact(folder: str | Path, tau: float, t: int, base_dtype: str, as_dtype: str | None = None) -> bool:
     """Whether ``folder`` is a whole thresholded checkpoint of the run's center after update ``t`` at ``tau`` with
-    theta_0 in ``base_dtype``: every file written (s_tau.json last but for the copies), the center complete."""
+    theta_0 in ``base_dtype``, compared in ``as_dtype`` (default ``base_dtype``): every file written (s_tau.json
+    last but for the copies), the center complete."""
     folder = Path(folder)
     try:
         s = json.loads((folder / S_TAU).read_text())
         meta = RunDir(folder).read_meta()
     except (OSError, ValueError, RunFolderError):
         return False
-    if s.get("tau") != tau or s.get("updates") != t or s.get("base_dtype") != base_dtype:
+    same = (s.get("tau"), s.get("updates"), s.get("base_dtype"), s.get("delta_dtype"))
+    if same != (tau, t, base_dtype, as_dtype or base_dtype):
         return False
     if meta.get("status") != "thresholded" or not (folder / RunDir.CONFIG).exists():
         return False
@@ -195,14 +203,16 @@ def thresholded_intact(folder: str | Path, tau: float, t: int, base_dtype: str) 
     return md.get("t") == str(t) and md.get("tau") == f"{tau:g}"
 
 
-def ensure_thresholded(run: str | Path, tau: float, base_dtype: str | None = None) -> tuple[Path, bool]:
+def ensure_thresholded(
+    run: str | Path, tau: float, base_dtype: str | None = None, as_dtype: str | None = None
+) -> tuple[Path, bool]:
     """``<run>/thresholded/tau-<tau>/`` for the run's current center: reused when it is intact and of that center
     (a sweep's re-run), else (re)written. Returns (folder, whether it was written now)."""
     rw = resolve_run(run)
     folder = tau_dir(rw.rd.path, tau)
-    if thresholded_intact(folder, float(tau), rw.t, base_dtype or rw.base_dtype):
+    if thresholded_intact(folder, float(tau), rw.t, base_dtype or rw.base_dtype, as_dtype or base_dtype):
         return folder, False
-    (written,) = threshold_run(rw.rd.path, [tau], base_dtype=base_dtype)
+    (written,) = threshold_run(rw.rd.path, [tau], base_dtype=base_dtype, as_dtype=as_dtype)
     return written, True
 
 

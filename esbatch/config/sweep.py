@@ -106,6 +106,12 @@ class ThresholdSpec(Schema):
         "run trained on CPU, which loads fp32 whatever model.dtype says).",
         choices=("float32", "bfloat16", "float16"),
     )
+    as_dtype: str | None = setting(
+        None,
+        "Compare the final weights with theta_0 in this dtype (default: base_dtype, the compute dtype: a bf16 model's "
+        "deployed weights, as the paper counts; float32 = the fp32 center, where nearly every coordinate moved).",
+        choices=("float32", "bfloat16", "float16"),
+    )
 
 
 @dataclass

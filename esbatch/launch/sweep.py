@@ -55,7 +55,7 @@ class Sweep:
     description: str = ""
     evals: list[PlannedEval] = field(default_factory=list)
     train_task: str | None = None
-    threshold: dict[str, Any] | None = None  # {task, tau, base_dtype}: the threshold phase (Figure 4)
+    threshold: dict[str, Any] | None = None  # {task, tau, base_dtype, as_dtype}: the threshold phase (Figure 4)
 
     @property
     def tracking_uri(self) -> str:
@@ -175,7 +175,8 @@ def load_sweep(
             evals += plan_threshold(spec.threshold, base, runs, sweep_dir, experiment, evals, errors)
         if errors:
             raise ConfigError(errors, src)
-        threshold = {"task": task, "tau": spec.threshold.tau, "base_dtype": spec.threshold.base_dtype}
+        th = spec.threshold
+        threshold = {"task": task, "tau": th.tau, "base_dtype": th.base_dtype, "as_dtype": th.as_dtype}
 
     return Sweep(
         name=spec.name,

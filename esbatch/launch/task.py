@@ -84,8 +84,9 @@ def run_eval_task(sd: SweepDir, key: str, progress: bool = False) -> dict[str, A
             print(f"esbatch task: {folder} scored update {old}, the run is at {updates}: moved to {aside}", flush=True)
             folder.rename(aside)
         if entry.get("tau"):  # a point of the threshold curve: its checkpoint of the run's final center first
-            base_dtype = (sd.read().get("threshold") or {}).get("base_dtype")
-            ck, written = ensure_thresholded(sd.run_dir(entry["source"]).path, entry["tau"], base_dtype)
+            phase = sd.read().get("threshold") or {}
+            run = sd.run_dir(entry["source"]).path
+            ck, written = ensure_thresholded(run, entry["tau"], phase.get("base_dtype"), phase.get("as_dtype"))
             print(f"esbatch task: {'wrote' if written else 'reusing the intact'} {ck}", flush=True)
         folder.mkdir(parents=True, exist_ok=True)
         durable.write_text(folder / SOURCE_FILE, json.dumps({"run": entry["source"], "updates": updates}))

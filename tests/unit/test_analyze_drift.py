@@ -53,12 +53,12 @@ def _model_dir(tmp_path, base):
     return d
 
 
-def _run(tmp_path, model_dir, center, name="run", algorithm="es", t=5):
+def _run(tmp_path, model_dir, center, name="run", algorithm="es", t=5, dtype="float32"):
     """A run folder as a trainer leaves it: config.yaml naming the base model, center.safetensors after t updates."""
     cfg = config_from_dict(
         {
             "algorithm": algorithm,
-            "model": {"name": str(model_dir), "dtype": "float32"},
+            "model": {"name": str(model_dir), "dtype": dtype},
             "task": {"name": "gsm8k"},
             algorithm: {"updates": t},
         }
@@ -229,6 +229,27 @@ def test_threshold_zeroes_exactly_the_small_updates_and_keeps_the_rest_bit_exact
         taus=[1e-4],
     )
     assert st.n_nonzero == 7 and st.below == [0]
+
+
+def test_a_bf16_run_is_compared_in_bf16_by_default_and_threshold_counts_as_drift_does(tmp_path):
+    """s_tau of a bf16 model counts the deployed (bf16) weights' changes unless fp32 is asked for, and a thresholded
+    checkpoint zeroes exactly the coordinates drift counts, also for a |delta| exactly at tau (the tie rule)."""
+    base, center = _states()
+    rd = _run(tmp_path, _model_dir(tmp_path, base), center, dtype="bfloat16")
+    # by hand: each coordinate's |bf16(theta_final) - theta_0| (theta_0 is exact in bf16), and the fp32 one
+    in_bf16 = [abs(float(torch.tensor(b + x).bfloat16().float()) - b) for b, d in WEIGHTS.values() for x in _flat(d)]
+    in_fp32 = [abs(x) for _, d in WEIGHTS.values() for x in _flat(d)]
+    assert sum(v > 0 for v in in_bf16) < sum(v > 0 for v in in_fp32)  # bf16 rounding drops some updates
+    taus = sorted({v for v in in_bf16 + in_fp32 if v > 0} | {1.5e-3})  # every tau exactly at some |delta|
+    for as_dtype, want in ((None, in_bf16), ("float32", in_fp32)):
+        ((_, st, _),) = analyze_drift([rd.path], taus=taus, as_dtype=as_dtype, mlflow=False)
+        assert st.delta_dtype == (as_dtype or "bfloat16")
+        assert st.n_nonzero == sum(v > 0 for v in want)
+        assert st.below == [sum(0 < v <= tau for v in want) for tau in taus]
+        for folder in threshold_run(rd.path, taus, as_dtype=as_dtype):
+            s = json.loads((folder / "s_tau.json").read_text())
+            j = taus.index(s["tau"])
+            assert (s["zeroed"], s["nonzero"], s["delta_dtype"]) == (st.below[j], st.n_nonzero, st.delta_dtype)
 
 
 def test_cli_drift_writes_table4_histograms_and_plots(tmp_path, capsys):

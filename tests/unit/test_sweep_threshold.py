@@ -64,7 +64,7 @@ def test_every_run_gets_an_anchor_and_one_eval_per_tau_after_its_training(tmp_pa
     assert all(
         e.config["tasks"] == SUITE["tasks"] and e.config["model"]["name"] == str(tiny_model_dir) for e in sw.evals
     )
-    assert sw.threshold == {"task": "Digits", "tau": [1e-6, 1e-5], "base_dtype": None}
+    assert sw.threshold == {"task": "Digits", "tau": [1e-6, 1e-5], "base_dtype": None, "as_dtype": None}
 
     # sweep.json records each point's tau; every eval waits for its own run's training (submitted now)
     sd = write_plan(sw)
@@ -282,7 +282,7 @@ def test_the_shipped_cpu_sweep_thresholds_es_and_grpo_on_the_training_task():
     assert all(r.config.model.name == "smollm2-135m-instruct" and r.config.model.dtype == "float32" for r in sw.runs)
     es = next(r.config for r in sw.runs if r.config.algorithm == "es")
     assert (es.es.population_size, es.es.batch_size, es.es.updates) == (32, 4, 8)
-    assert sw.threshold == {"task": "Add2", "tau": [1e-6, 1e-5, 1e-4, 1e-3], "base_dtype": None}
+    assert sw.threshold == {"task": "Add2", "tau": [1e-6, 1e-5, 1e-4, 1e-3], "base_dtype": None, "as_dtype": None}
     assert [e.tau for e in sw.evals] == [0.0, 1e-6, 1e-5, 1e-4, 1e-3] * 2
     e = sw.evals[0].config
     assert (
