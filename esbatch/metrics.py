@@ -139,7 +139,24 @@ def weight_covariance(z: Sequence[float], p: Sequence[Sequence[float]]) -> float
     return float(cov.mean())
 
 
-def diversity_metrics(p: Sequence[Sequence[float]], z: Sequence[float] | None = None) -> dict[str, float]:
+def leave_one_out(p: Sequence[Sequence[float]], first: Sequence[Sequence[float]], samples: int) -> np.ndarray:
+    """p_i(x) without the response the reward came from: (m p_i(x) - first_i(x)) / (m - 1), ``first`` that
+    response's 0/1 verdict and m = ``samples`` > 1. Cov(z, p) with the full p is biased upward: z_i is computed
+    from first_i, which is also one of the m samples of p_i."""
+    a, f = _success_matrix(p), _success_matrix(first)
+    if f.shape != a.shape or samples < 2:
+        raise ValueError(f"first must be p's shape {a.shape} (got {f.shape}) and samples >= 2 (got {samples})")
+    if not np.all((f == 0) | (f == 1)):
+        raise ValueError("first holds verdicts other than 0 and 1")
+    return np.clip((samples * a - f) / (samples - 1), 0.0, 1.0)  # clip: float round-off at the ends only
+
+
+def diversity_metrics(
+    p: Sequence[Sequence[float]],
+    z: Sequence[float] | None = None,
+    first: Sequence[Sequence[float]] | None = None,
+    samples: int = 1,
+) -> dict[str, float]:
     """The logged diversity figures of one population ``p`` [N members][B prompts] (docs/diagnostics.md):
 
     js               js_diversity(p)
@@ -150,6 +167,8 @@ def diversity_metrics(p: Sequence[Sequence[float]], z: Sequence[float] | None = 
     pass_matched     1/B sum_x [1 - (1 - pbar(x))^N]: N samples from one policy of the same mean success;
                      pass_population >= pass_matched (arithmetic-geometric mean inequality)
     cov_weight       weight_covariance(z, p), when the update weights ``z`` are given
+    cov_weight_loo   weight_covariance(z, leave_one_out(p, first, samples)), when ``first`` (each member's reward
+                     response, 0/1) is given and samples > 1: the unbiased form (z and p share no response)
     """
     a = _success_matrix(p)
     n = a.shape[0]
@@ -163,4 +182,6 @@ def diversity_metrics(p: Sequence[Sequence[float]], z: Sequence[float] | None = 
     }
     if z is not None:
         out["cov_weight"] = weight_covariance(z, a)
+        if first is not None and samples > 1:
+            out["cov_weight_loo"] = weight_covariance(z, leave_one_out(a, first, samples))
     return out

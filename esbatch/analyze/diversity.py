@@ -7,10 +7,13 @@ from p (and the ES weights z) with esbatch/metrics.py:diversity_metrics, the cod
 older or hand-edited metrics never leak in. Written to ``out`` (default ``<first RUN>/analysis/diversity/``):
 
     diversity.csv   one row per (run, update with a record): run, algorithm, t, members, prompts, samples, and
-                    js, h_members, p_mean, pass_population, pass_matched, cov_weight (GRPO: js is 0,
-                    pass_* and cov_weight are empty: one policy, no update weights)
-    diversity.md    per run: the updates with a record, and each figure's first, last and mean value
-    diversity.png   js, p_mean, h_members and cov_weight against the update, all runs overlaid (ES solid,
+                    js, h_members, p_mean, pass_population, pass_matched, cov_weight, cov_weight_loo with its
+                    95% bootstrap interval over members (cov_loo_low, cov_loo_high) (GRPO: js is 0, pass_* and
+                    cov_* are empty: one policy, no update weights; cov_*_loo empty for records without the
+                    reward responses' verdicts, ``first``, or with one sample)
+    diversity.md    per run: the updates with a record, and each figure's first, last and mean value; the mean
+                    cov_weight_loo with a bootstrap interval resampling each record's members
+    diversity.png   js, p_mean, h_members and cov_weight_loo against the update, all runs overlaid (ES solid,
                     GRPO dashed: its js is 0 by definition, a single policy)
 
 A pipeline folder (``stage<k>-<algo>/`` subfolders, no log of its own) contributes its stages one after the
@@ -29,16 +32,17 @@ from typing import Any
 import yaml
 
 from esbatch import durable
-from esbatch.metrics import diversity_metrics
+from esbatch.metrics import diversity_metrics, leave_one_out, weight_covariance
 from esbatch.train.rundir import RunDir
 
-FIGURES = ("js", "h_members", "p_mean", "pass_population", "pass_matched", "cov_weight")
-COLUMNS = ("run", "algorithm", "t", "members", "prompts", "samples", *FIGURES)
+FIGURES = ("js", "h_members", "p_mean", "pass_population", "pass_matched", "cov_weight", "cov_weight_loo")
+COLUMNS = ("run", "algorithm", "t", "members", "prompts", "samples", *FIGURES, "cov_loo_low", "cov_loo_high")
+RESAMPLES = 2000  # bootstrap resamples of the members (seed 0)
 PANELS = (
     ("js", "verifier-projected JS diversity (nats)"),
     ("p_mean", "mean success share pbar"),
     ("h_members", "member entropy mean_i H(p_i(x)) (nats)"),
-    ("cov_weight", "Cov_i(z_i, p_i(x)) (ES)"),
+    ("cov_weight_loo", "Cov_i(z_i, p_i(x)), reward response left out (ES)"),
 )
 _STAGE = re.compile(r"^stage(\d+)-(\w+)$")
 
@@ -76,8 +80,10 @@ def _rows(rd: RunDir, label: str, algorithm: str, offset: int) -> list[dict[str,
             raise DiversityInputError(f"{where} is not a mapping with a `p` table ({str(div)[:80]})")
         single = algorithm == "grpo"  # one policy: no weights, and pass_* would just repeat p_mean
         z = None if single else rec.get("z")
+        first, m = div.get("first"), div.get("samples") or 1
         try:
-            figs = diversity_metrics(div["p"], z)
+            figs = diversity_metrics(div["p"], z, first, m)
+            loo = leave_one_out(div["p"], first, m) if "cov_weight_loo" in figs else None
         except ValueError as e:
             raise DiversityInputError(
                 f"{where} does not add up: {e}. p must be [members][prompts] shares in [0, 1], and z (ES) one weight "
@@ -93,9 +99,30 @@ def _rows(rd: RunDir, label: str, algorithm: str, offset: int) -> list[dict[str,
                 "prompts": len(p[0]),
                 "samples": div.get("samples", ""),
                 **{k: "" if single and k.startswith("pass_") else figs.get(k, "") for k in FIGURES},
+                **dict(zip(("cov_loo_low", "cov_loo_high"), member_interval([(z, loo)]) if loo is not None else "")),
+                "_loo": (z, loo),  # for the run's pooled interval (not a column)
             }
         )
     return rows
+
+
+def member_interval(records: list[tuple[Any, Any]], resamples: int = RESAMPLES) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the mean over ``records`` of Cov_i(z_i, p_i(x)) (each record a pair
+    (z [N], leave-one-out p [N][B])), resampling every record's members with replacement, independently (seed 0).
+    The members are the population's random draw; the prompts of a record stay fixed."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    pairs = [(np.asarray(z, dtype=np.float64), np.asarray(p, dtype=np.float64)) for z, p in records]
+    stats = np.empty(resamples)
+    for b in range(resamples):
+        covs = []
+        for z, p in pairs:
+            pick = rng.integers(0, len(z), len(z))
+            covs.append(weight_covariance(z[pick], p[pick]))
+        stats[b] = np.mean(covs)
+    lo, hi = np.percentile(stats, [2.5, 97.5])
+    return float(lo), float(hi)
 
 
 def load_series(run: str | Path) -> list[Series]:
@@ -154,7 +181,7 @@ def without(series: list[Series]) -> list[str]:
 
 def write_csv(series: list[Series], path: Path) -> Path:
     with durable.open_text(path, newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         w.writeheader()
         for s in series:
             w.writerows(s.rows)
@@ -173,8 +200,12 @@ def write_markdown(series: list[Series], path: Path) -> Path:
         "js: verifier-projected Jensen-Shannon diversity of the population, mean over the update's prompts (nats, "
         "at most ln 2 = 0.6931; 0 for a single policy). p_mean: mean success share. h_members: mean member "
         "Bernoulli entropy. pass_population / pass_matched: one sample per member vs N samples from one policy of "
-        "the same mean success. cov_weight: Cov_i(z_i, p_i(x)) of the ES update weights (Lemma 3). "
-        "Definitions: docs/diagnostics.md. Values: first -> last (mean).",
+        "the same mean success; pass_population >= pass_matched for any numbers (arithmetic-geometric mean "
+        "inequality), so their gap shows only how unequal the members are, not that diversity helps. cov_weight: "
+        "Cov_i(z_i, p_i(x)) of the ES update weights (Lemma 3), biased upward: z_i and p_i(x) share the reward's "
+        "response. cov_weight_loo: the same with that response left out of p_i(x) (unbiased), mean [95% bootstrap "
+        f"interval over members, {RESAMPLES} resamples]: an interval above 0 is evidence that the update weights "
+        "favour members that succeed more. Definitions: docs/diagnostics.md. Values: first -> last (mean).",
         "",
         "| run | algorithm | records | members x prompts x samples | " + " | ".join(FIGURES) + " |",
         "|---|---|---|---|" + "---|" * len(FIGURES),
@@ -184,7 +215,11 @@ def write_markdown(series: list[Series], path: Path) -> Path:
         cells = []
         for k in FIGURES:
             vals = [r[k] for r in s.rows if r[k] != ""]
-            cells.append(f"{_fmt(r0[k])} -> {_fmt(r1[k])} ({sum(vals) / len(vals):.4f})" if vals else "-")
+            cell = f"{_fmt(r0[k])} -> {_fmt(r1[k])} ({sum(vals) / len(vals):.4f}" if vals else "-"
+            if vals and k == "cov_weight_loo":
+                lo, hi = member_interval([r["_loo"] for r in s.rows if r[k] != ""])
+                cell += f" [{lo:.4f}, {hi:.4f}]"
+            cells.append(cell + (")" if vals else ""))
         shape = f"{r1['members']} x {r1['prompts']} x {r1['samples']}"
         lines.append(
             f"| {s.label} | {s.algorithm} | {len(s.rows)} (t {r0['t']}..{r1['t']}) | {shape} | "

@@ -113,9 +113,10 @@ def es_step(cfg: TrainConfig, backend: ESBackend, probs: Problems, t: int, ranks
         "metrics": metrics,
     }
     if diversity is not None:
-        p, extra_s, extra_tokens = diversity
-        record["diversity"] = {"p": p, "samples": es.diversity.samples}
-        metrics.update({f"diversity/{k}": v for k, v in diversity_metrics(p, z).items()})
+        p, first, extra_s, extra_tokens = diversity
+        m = es.diversity.samples
+        record["diversity"] = {"p": p, "samples": m, "first": first}
+        metrics.update({f"diversity/{k}": v for k, v in diversity_metrics(p, z, first, m).items()})
         metrics.update({"time/diversity_s": extra_s, "tokens/diversity": extra_tokens})
     return record
 
@@ -136,9 +137,10 @@ def population_success(
     verdicts: dict[int, list[Verdict]],
     mine: list[int],
     ranks: Ranks = SINGLE,
-) -> tuple[list[list[float]], float, int]:
+) -> tuple[list[list[float]], list[list[float]], float, int]:
     """p_i(x): the share of m = es.diversity.samples responses of member i to prompt x that the verifier scores
-    CORRECT, as [members][prompts] in record order, with the seconds and tokens the extra responses took.
+    CORRECT, as [members][prompts] in record order; the 0/1 verdict of the first of them (the reward's) in the same
+    shape (leave-one-out p, esbatch/metrics.py); the seconds and tokens the extra responses took.
 
     The first of the m is the response the reward was computed from (``verdicts``: those of ``mine``, the
     members this rank evaluated); the other m - 1 come from a second pass over the same members with
@@ -164,9 +166,13 @@ def population_success(
                 x = k // (m - 1)
                 hits[i][x] += float(probs.task.score(g.text, probs.train[idx[x]]) is Verdict.CORRECT)
             tokens[i] = sum(g.n_tokens for g in gens)
-    local = {i: [*(h / m for h in hits[i]), tokens[i]] for i in mine}
-    rows = ranks.gather(len(members), local, width=len(idx) + 1)
-    return [row[:-1] for row in rows], time.perf_counter() - t0, int(sum(row[-1] for row in rows))
+    b = len(idx)
+    local = {
+        i: [*(h / m for h in hits[i]), *(float(v is Verdict.CORRECT) for v in verdicts[i]), tokens[i]] for i in mine
+    }
+    rows = ranks.gather(len(members), local, width=2 * b + 1)
+    p, first = [row[:b] for row in rows], [row[b : 2 * b] for row in rows]
+    return p, first, time.perf_counter() - t0, int(sum(row[-1] for row in rows))
 
 
 def _reward_metrics(rewards: list[float]) -> dict[str, float]:

@@ -10,9 +10,11 @@ import pytest
 import yaml
 from test_diversity import StubBackend, _cfg
 
+from esbatch.analyze.diversity import member_interval
 from esbatch.cli import main
 from esbatch.es.core import draw_population
 from esbatch.es.trainer import es_step
+from esbatch.metrics import leave_one_out, weight_covariance
 from esbatch.train.problems import load_problems
 from esbatch.train.rundir import RunDir
 
@@ -73,6 +75,13 @@ def test_es_and_grpo_runs_tabulated_and_plotted(tmp_path, capsys):
     assert float(rows[0]["p_mean"]) == pytest.approx(0.5)
     assert (rows[0]["members"], rows[0]["prompts"], rows[0]["samples"]) == ("4", "3", "3")
     assert rows[0]["cov_weight"] != ""
+    # leave-one-out: recomputed from the record's p, first and z, inside its member-bootstrap interval
+    rec = RunDir(es).updates()[0]
+    loo = leave_one_out(rec["diversity"]["p"], rec["diversity"]["first"], 3)
+    want = weight_covariance(rec["z"], loo)
+    assert float(rows[0]["cov_weight_loo"]) == pytest.approx(want, abs=1e-12)
+    assert float(rows[0]["cov_loo_low"]) <= want <= float(rows[0]["cov_loo_high"])
+    assert rows[2]["cov_weight_loo"] == rows[2]["cov_loo_low"] == ""  # GRPO: no update weights
     # GRPO: one policy -> js 0, p_mean the mean share, h_members the mean Bernoulli entropy, no cov
     assert float(rows[2]["js"]) == 0.0 and float(rows[2]["p_mean"]) == pytest.approx(0.75)
     assert float(rows[2]["h_members"]) == pytest.approx(LN2 / 2)
@@ -80,6 +89,14 @@ def test_es_and_grpo_runs_tabulated_and_plotted(tmp_path, capsys):
     md = (out / "diversity.md").read_text()
     assert "| es-run | es | 2 (t 0..2) | 4 x 3 x 3 |" in md and "| grpo-run | grpo | 2 (t 0..1) | 1 x 2 x 4 |" in md
     assert "0.7500 -> 0.1250 (0.4375)" in md  # GRPO p_mean: first -> last (mean)
+    lo, hi = member_interval(
+        [
+            (r["z"], leave_one_out(r["diversity"]["p"], r["diversity"]["first"], 3))
+            for r in RunDir(es).updates()
+            if "diversity" in r
+        ]
+    )
+    assert f" [{lo:.4f}, {hi:.4f}])" in md  # ES cov_weight_loo: the run's mean with its pooled interval
     png = (out / "diversity.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
@@ -166,3 +183,11 @@ def test_a_run_without_records_is_left_out_and_named_while_the_others_are_analys
     assert [r["run"] for r in _csv(tmp_path / "out" / "diversity.csv")] == ["g"]
     md = (tmp_path / "out" / "diversity.md").read_text()
     assert "| g | grpo |" in md and "Left out, no update carries a `diversity` record: plain." in md
+
+
+def test_member_interval_is_a_point_when_every_member_succeeds_alike_and_brackets_the_mean():
+    same = ([1.0, -1.0, 0.5], [[0.5, 0.25]] * 3)
+    assert member_interval([same]) == (0.0, 0.0)  # every resample: Cov = 0
+    z, p = [2.0, -1.0, 0.0, -1.0], [[1.0], [0.0], [0.5], [0.0]]
+    lo, hi = member_interval([(z, p)])
+    assert lo <= weight_covariance(z, p) <= hi and lo < hi

@@ -14,7 +14,7 @@ from esbatch.config import ConfigError, config_from_dict
 from esbatch.es.core import draw_population
 from esbatch.es.replay import replay
 from esbatch.es.trainer import diversity_seed, es_step
-from esbatch.metrics import bernoulli_entropy, diversity_metrics, js_diversity, weight_covariance
+from esbatch.metrics import bernoulli_entropy, diversity_metrics, js_diversity, leave_one_out, weight_covariance
 from esbatch.train.problems import load_problems
 
 LN2 = math.log(2)
@@ -343,3 +343,26 @@ def test_grpo_group_success_interleaves_the_ranks_shares(tiny_model_dir):
     tr.ranks.rank = 1
     assert tr._group_success({**b, "weight": 0.0, "batch": [9]}) == [0.5]
     assert len(seen) == 1 and len(seen[0]) == 1 and math.isnan(seen[0][0])
+
+
+def test_leave_one_out_removes_the_reward_response_from_p():
+    """Two members, m = 4 samples, each with 1 correct of its 3 extra responses; member 0's reward response was
+    correct, member 1's wrong, so z favours member 0. The full p credits that same response and shows a positive
+    covariance; left out, the members succeed equally and the covariance is 0 (the bias, by construction)."""
+    p = [[2 / 4], [1 / 4]]
+    first = [[1.0], [0.0]]
+    np.testing.assert_allclose(leave_one_out(p, first, 4), [[1 / 3], [1 / 3]])  # (4 p - first) / 3, by hand
+    z = [1.0, -1.0]
+    m = diversity_metrics(p, z, first, 4)
+    assert m["cov_weight"] == pytest.approx(0.5 * (1 * (2 / 4 - 3 / 8) + (-1) * (1 / 4 - 3 / 8)))  # 0.125
+    assert m["cov_weight_loo"] == pytest.approx(0.0, abs=1e-15)
+    assert "cov_weight_loo" not in diversity_metrics(p, z, first, 1)  # one sample: nothing is left
+
+
+@pytest.mark.parametrize(
+    ("first", "samples", "match"),
+    [([[1.0]], 4, "shape"), ([[0.5], [1.0]], 4, "other than 0 and 1"), ([[1.0], [0.0]], 1, "samples >= 2")],
+)
+def test_leave_one_out_names_bad_inputs(first, samples, match):
+    with pytest.raises(ValueError, match=match):
+        leave_one_out([[0.25], [0.75]], first, samples)

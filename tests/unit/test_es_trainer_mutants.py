@@ -335,6 +335,9 @@ def _p(i, m=3):
     return [((PATTERN[i][x] == "C") + sum(c == "C" for c in EXTRA[i][x][: m - 1])) / m for x in range(B)]
 
 
+FIRST = [[float(c == "C") for c in row] for row in PATTERN]  # the reward response's verdict, 0/1
+
+
 def test_diversity_counts_each_prompts_own_extra_samples():
     t = 4
     cfg, members, b, probs = _setup(t, diversity={"every": 2, "samples": 3})
@@ -348,10 +351,15 @@ def test_diversity_counts_each_prompts_own_extra_samples():
     p = [_p(i) for i in range(N)]
     # by hand (first response + the two extra ones, of 3): prompt x takes extra samples 2x and 2x + 1
     np.testing.assert_allclose(p, [[2 / 3, 1 / 3, 2 / 3], [2 / 3, 0, 2 / 3], [0, 1 / 3, 2 / 3], [1 / 3, 2 / 3, 1 / 3]])
-    assert rec["diversity"] == {"p": p, "samples": 3}  # the same integer counts over 3: exact
+    assert rec["diversity"] == {"p": p, "samples": 3, "first": FIRST}  # the same integer counts over 3: exact
     m = rec["metrics"]
-    want = diversity_metrics(p, _z(REWARDS))
+    want = diversity_metrics(p, _z(REWARDS), FIRST, 3)
     assert "cov_weight" in want
+    # leave-one-out by hand: p without the reward's response = the extra ones' share, of 2
+    loo = [[sum(c == "C" for c in EXTRA[i][x]) / 2 for x in range(B)] for i in range(N)]
+    z = np.asarray(_z(REWARDS))
+    want_loo = np.mean([np.mean((z - z.mean()) * (np.array(col) - np.mean(col))) for col in zip(*loo)])
+    assert m["diversity/cov_weight_loo"] == pytest.approx(want_loo, rel=1e-9, abs=1e-12)
     for k, v in want.items():
         assert m[f"diversity/{k}"] == pytest.approx(v, rel=1e-9, abs=1e-12), k
     assert m["tokens/diversity"] == N * B * (10 + 11)
@@ -378,7 +386,7 @@ def test_diversity_with_two_samples_takes_one_extra_response_per_prompt():
     p = [_p(i, m=2) for i in range(N)]
     # by hand: member 0 [1, 1/2, 1/2], 1 [1/2, 0, 1], 2 [0, 0, 1/2], 3 [1/2, 1/2, 0]
     assert p == [[1, 0.5, 0.5], [0.5, 0, 1], [0, 0, 0.5], [0.5, 0.5, 0]]
-    assert rec["diversity"] == {"p": p, "samples": 2}
+    assert rec["diversity"] == {"p": p, "samples": 2, "first": FIRST}
     assert rec["metrics"]["tokens/diversity"] == N * B * 10
 
 
@@ -386,25 +394,28 @@ def test_diversity_with_one_sample_has_no_extra_pass_and_zero_extra_tokens():
     cfg, _, b, probs = _setup(0, diversity={"every": 1, "samples": 1})
     rec = es_step(cfg, b, probs, 0)
     assert len(b.calls) == 1
-    assert rec["diversity"] == {"p": [[float(c == "C") for c in row] for row in PATTERN], "samples": 1}
+    assert rec["diversity"] == {"p": FIRST, "samples": 1, "first": FIRST}
     assert rec["metrics"]["tokens/diversity"] == 0
+    assert "diversity/cov_weight_loo" not in rec["metrics"]  # one sample: nothing is left out
 
 
 def test_diversity_on_rank_1_of_2_sends_its_rows_and_takes_the_others():
     t = 2
     cfg, members, b, probs = _setup(t, diversity={"every": 1, "samples": 3})
-    other_p = {0: [1.0, 1.0, 0.0, 40.0], 2: [0.0, 1 / 3, 1.0, 30.0]}
-    ranks = TwoRanks(1, {3: {0: [0.5, 7.0, 0.0], 2: [0.0, 5.0, 0.0]}, B + 1: other_p})
+    other_p = {0: [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 40.0], 2: [0.0, 1 / 3, 1.0, 0.0, 0.0, 1.0, 30.0]}
+    ranks = TwoRanks(1, {3: {0: [0.5, 7.0, 0.0], 2: [0.0, 5.0, 0.0]}, 2 * B + 1: other_p})
     rec = es_step(cfg, b, probs, t, ranks)
     _, extra_call = b.calls
     assert extra_call["members"] == [(members[i].seed, SIGMA, diversity_seed(members[i].gen_seed)) for i in (1, 3)]
     (_, (n, local, width)) = ranks.gathers
-    assert (n, width) == (N, B + 1)
+    assert (n, width) == (N, 2 * B + 1)
     assert set(local) == {1, 3}
     for i in (1, 3):
         assert local[i][:B] == pytest.approx(_p(i), abs=1e-15)
-        assert local[i][B] == B * (10 + 11)
+        assert local[i][B : 2 * B] == FIRST[i]
+        assert local[i][2 * B] == B * (10 + 11)
     assert rec["diversity"]["p"] == [other_p[0][:B], _p(1), other_p[2][:B], _p(3)]
+    assert rec["diversity"]["first"] == [other_p[0][B : 2 * B], FIRST[1], other_p[2][B : 2 * B], FIRST[3]]
     assert rec["metrics"]["tokens/diversity"] == 40 + 63 + 30 + 63
 
 
