@@ -471,7 +471,8 @@ def cmd_analyze_drift(args: argparse.Namespace) -> int:
     for r in rows:
         print(" | ".join(str(r[c]) for c in cols))
     for _, s, folder in done:
-        print(f"{s.label}: max |delta| {s.max_abs:.8g} at {s.max_count} coordinate(s); files: {folder}")
+        files = f"; files: {folder}" if folder else " (a model: no files)"
+        print(f"{s.label}: max |delta| {s.max_abs:.8g} at {s.max_count} coordinate(s){files}")
     return 0
 
 
@@ -507,7 +508,10 @@ def _analysis_commands(sub: Any) -> None:
     )
     dr.add_argument("runs", nargs="+", metavar="RUN", help="run folders (ES, GRPO, a pipeline or its stage<k>-<algo>)")
     dr.add_argument(
-        "--reference", metavar="RUN", help="run whose relative L2 distance the others are divided by (GRPO)"
+        "--reference",
+        metavar="RUN|MODEL",
+        help="run, or model (alias, hub id, folder: a released GRPO checkpoint), whose relative L2 distance from the "
+        "runs' base model the others are divided by (GRPO)",
     )
     dr.add_argument(
         "--tau",

@@ -191,7 +191,7 @@ def aggregate(sweep_dir: str | Path) -> Path:
         evals = load_evals(sd)
         if not meta.get("aggregate"):
             analyses = [*default_eval_analyses(evals), *analyses]
-    write_report(runs, analyses, sd.results, title=f"sweep {meta['name']}", evals=evals)
+    write_report(runs, analyses, sd.results, title=f"sweep {meta['name']}", evals=evals, sweep_dir=sd.path)
     if meta.get("parent_run_id"):
         with sqlite_lock(meta["tracking_uri"]):
             client = MlflowClient(tracking_uri=meta["tracking_uri"])

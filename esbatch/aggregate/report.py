@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from esbatch import durable
+from esbatch.aggregate.drift import write_drift
 from esbatch.aggregate.evals import WRITERS
 from esbatch.aggregate.results import RunResult
 from esbatch.aggregate.smoothing import debiased_ema, local_std
@@ -35,6 +36,7 @@ from esbatch.config.aggregate import (
     INDEX_FILE,
     Analysis,
     CurvesAnalysis,
+    DriftAnalysis,
     FinalAnalysis,
     ScalingAnalysis,
     is_num,
@@ -650,14 +652,20 @@ def _group_means(groups: dict[tuple, list], a: FinalAnalysis) -> list[list[Any]]
 
 
 def write_report(
-    runs: list[RunResult], analyses: list[Analysis] | None, out_dir: Path, title: str = "", evals: Any = None
+    runs: list[RunResult],
+    analyses: list[Analysis] | None,
+    out_dir: Path,
+    title: str = "",
+    evals: Any = None,
+    sweep_dir: Path | None = None,
 ) -> list[Path]:
     """Write every analysis (``<name>.csv``, ``<name>.md``, curves also ``<name>.png``) and the index
     ``README.md`` that embeds them and lists every run that is not finished or lacks a metric.
 
     ``analyses=None`` uses ``default_analyses(runs)``. Parameter names are checked against the runs
     first (``ConfigError`` with "did you mean"), so nothing half-written is left by a typo.
-    Returns the paths written, the index last.
+    ``sweep_dir``: the sweep folder, whose run folders the ``drift`` analysis reads. Returns the paths written,
+    the index last.
     """
     out_dir = Path(out_dir)
     if analyses is None:
@@ -675,6 +683,11 @@ def write_report(
         for a in analyses
         if a.kind == "threshold_curve" and (evals is None or not evals.threshold)
     ]
+    errors += [
+        f"{a.path or a.name}: kind 'drift' reads the run folders of a sweep (esbatch aggregate SWEEP_DIR)"
+        for a in analyses
+        if isinstance(a, DriftAnalysis) and sweep_dir is None
+    ]
     if errors:
         raise ConfigError(errors)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -688,6 +701,8 @@ def write_report(
             sections.append(write_curves(runs, a, out_dir, title))
         elif isinstance(a, FinalAnalysis):
             sections.append(write_final(runs, a, out_dir))
+        elif isinstance(a, DriftAnalysis):
+            sections.append(write_drift(runs, a, out_dir, sweep_dir))
         else:
             raise TypeError(f"not an analysis: {a!r}")
     index = out_dir / INDEX_FILE

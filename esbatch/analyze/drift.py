@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from esbatch import durable
 from esbatch.config import load_config
 from esbatch.eval.center import newest_center, newest_t
-from esbatch.models import SafetensorsReader, weight_files
+from esbatch.models import ModelNotFoundError, SafetensorsReader, weight_files
 from esbatch.tracking import log_artifacts_to
 from esbatch.train.rundir import RunDir, RunFolderError
 
@@ -311,6 +311,45 @@ def analyze_run(
     return st
 
 
+def analyze_model(
+    name: str,
+    base_model: Any,
+    *,
+    taus: list[float] | tuple[float, ...] = DEFAULT_TAUS,
+    top_k: int = 100,
+    edges: list[float] | None = None,
+    base_dtype: str | None = None,
+    as_dtype: str | None = None,
+) -> DriftStats:
+    """Drift of a model that is not a run here (a released checkpoint: alias, hub id, ``hf://`` folder or local
+    folder) from ``base_model`` (the runs' config model section): the reference of a Table 4 whose GRPO side was
+    trained elsewhere (the Hard setting's released SofT-GRPO checkpoint)."""
+    m = base_model
+    base = SafetensorsReader(weight_files(m.name, m.gguf_file, m.revision))
+    try:
+        center = SafetensorsReader(weight_files(name))
+    except ModelNotFoundError as e:
+        raise RunFolderError(
+            f"reference {name}: neither a run folder (no {RunDir.CONFIG}) nor a model whose weights can be read: "
+            f"{str(e).removeprefix('model.name: ')}"
+        ) from None
+    kw = dict(taus=taus, top_k=top_k, edges=edges, as_dtype=as_dtype)
+    try:
+        st = drift_stats(center, base, label=name, base_dtype=base_dtype or m.dtype, **kw)
+    except KeyError as e:
+        raise RunFolderError(f"model {name} against base model {m.name}: {e.args[0]}") from None
+    st.algorithm = "reference model"
+    return st
+
+
+def reference_stats(reference: str | Path, base_model: Any, **kw: Any) -> tuple[RunWeights | None, DriftStats]:
+    """The reference of Table 4's ratio: a run folder (its RunWeights and stats), else a model (None, stats)."""
+    if RunDir(reference).exists():
+        ref = resolve_run(reference)
+        return ref, analyze_run(ref, **kw)
+    return None, analyze_model(str(reference), base_model, **kw)
+
+
 # ----------------------------------------------------------------------------- outputs
 
 
@@ -506,13 +545,15 @@ def analyze_drift(
     base_dtype: str | None = None,
     as_dtype: str | None = None,
     mlflow: bool = True,
-) -> list[tuple[RunWeights, DriftStats, Path]]:
-    """Analyse every run (and the reference), write each one's files, log them to its MLflow run."""
+) -> list[tuple[RunWeights | None, DriftStats, Path | None]]:
+    """Analyse every run (and the reference: a run folder, or a model such as a released GRPO checkpoint, from
+    the first run's base model), write each run's files, log them to its MLflow run. Returns (run, stats,
+    folder) per run, the reference first; a model reference as (None, stats, None)."""
     check_taus(taus)
     if top_k < 1:
         raise ValueError(f"--top-k {top_k}: give a count >= 1")
     targets = [resolve_run(r) for r in runs]  # every folder is checked before the first model is read
-    ref = resolve_run(reference) if reference is not None else None
+    ref = resolve_run(reference) if reference is not None and RunDir(reference).exists() else None
     seen = {ref.rd.path.resolve()} if ref else set()
     unique = []
     for rw in targets:  # a run given twice (or also as --reference) is read and tabulated once
@@ -521,9 +562,10 @@ def analyze_drift(
             unique.append(rw)
     targets = unique
     kw = dict(taus=taus, top_k=top_k, edges=log_edges(per_decade), base_dtype=base_dtype, as_dtype=as_dtype)
+    model_ref = analyze_model(str(reference), targets[0].model, **kw) if reference is not None and not ref else None
     done = [(rw, analyze_run(rw, **kw)) for rw in ([ref] if ref else []) + targets]
-    ref_stats = done[0][1] if ref else None
-    everything = [s for _, s in done]
+    ref_stats = done[0][1] if ref else model_ref
+    everything = ([model_ref] if model_ref else []) + [s for _, s in done]
     out = []
     for rw, st in done:
         folder = rw.rd.path / OUT
@@ -531,7 +573,7 @@ def analyze_drift(
         if mlflow:
             log_to_run(rw, folder, OUT.as_posix())
         out.append((rw, st, folder))
-    return out
+    return [(None, model_ref, None), *out] if model_ref else out
 
 
 def check_taus(taus: list[float] | tuple[float, ...]) -> None:

@@ -316,8 +316,51 @@ class ThresholdCurveAnalysis(Analysis):
     y: str = setting("pass@1", "eval metric on the y axis", check=_eval_metric)
 
 
+@expects("a list of thresholds, each a number > 0, or null for the drift analysis's default grid")
+def _opt_taus(v: Any) -> list[float] | None:
+    if v is None:
+        return None
+    items = v if isinstance(v, list) else [v]
+    if not items or not all(is_num(t) and 0 < t < float("inf") for t in items):
+        raise Invalid(f"got {v!r}")
+    return sorted(float(t) for t in items)
+
+
+@dataclass(kw_only=True)
+class DriftAnalysis(Analysis):
+    """Paper Table 4: each finished run's relative L2 distance from theta_0, its ratio to the reference's, s_tau per
+    tau, and where the largest updates are (parameter type), one table per ``panels`` value (esbatch analyze drift,
+    read from the run folders; nothing is written into them)."""
+
+    kind: ClassVar[str] = "drift"
+    unknown_key: ClassVar[str] = "unknown key for kind 'drift'"
+    reference: str | None = setting(
+        None,
+        "the ratio's denominator (the paper's GRPO): a method of the sweep (its run in the same panel), or a run "
+        "folder or model (alias, hub id, hf:// folder, local folder: a released checkpoint) compared with the "
+        "runs' base model; null = no ratio",
+        check=_opt_key,
+    )
+    taus: list[float] | None = setting(
+        None, "s_tau thresholds (null: esbatch analyze drift's default grid)", check=_opt_taus
+    )
+    as_dtype: str | None = setting(
+        None,
+        "dtype the weights are compared in (null: the run's compute dtype, as the paper counts bf16 models)",
+        choices=("float32", "bfloat16", "float16"),
+    )
+    panels: str | None = setting("model.name", "parameter with one table per value (null = one)", check=_opt_key)
+    top_k: int = setting(100, "largest updates located by parameter type", gt=0)
+
+    def param_fields(self) -> dict[str, str]:
+        return {k: v for k, v in super().param_fields().items() if k != "reference"}  # a method, run or model
+
+
 EVAL_KINDS = (EvalTableAnalysis, EvalWinsAnalysis, ParetoAnalysis, PassKAnalysis, ThresholdCurveAnalysis)
-KINDS: dict[str, type[Analysis]] = {c.kind: c for c in (ScalingAnalysis, CurvesAnalysis, FinalAnalysis, *EVAL_KINDS)}
+RUN_FOLDER_KINDS = (DriftAnalysis,)
+KINDS: dict[str, type[Analysis]] = {
+    c.kind: c for c in (ScalingAnalysis, CurvesAnalysis, FinalAnalysis, *RUN_FOLDER_KINDS, *EVAL_KINDS)
+}
 Analysis.variants = KINDS
 
 

@@ -37,6 +37,10 @@ def test_a_threshold_sweep_trains_thresholds_evaluates_and_draws_figure4(tmp_pat
         "output_dir": str(tmp_path / "out"),
         "launcher": "local",
         "threshold": {"tau": TAUS, "config": "target.yaml"},
+        "aggregate": [
+            {"kind": "threshold_curve", "name": "threshold_curve"},
+            {"kind": "drift", "name": "table4", "taus": TAUS, "panels": None},  # Table 4 from the run folders
+        ],
     }
     path = tmp_path / "fig4.yaml"
     path.write_text(yaml.safe_dump(sweep))
@@ -65,6 +69,10 @@ def test_a_threshold_sweep_trains_thresholds_evaluates_and_draws_figure4(tmp_pat
         assert float(r["ci_low"]) <= float(r["value"]) <= float(r["ci_high"])
         assert (r["run"], r["task"], r["finished"]) == (run.label, "Digits", "true")
     assert (results / "threshold_curve.png").read_bytes()[:4] == b"\x89PNG"
+    # Table 4's s_tau and the thresholded checkpoints' count the same coordinates (one rule, one compute dtype)
+    (t4,) = list(csv.DictReader(open(results / "table4.csv")))
+    assert [float(t4[f"s_tau@{t:g} (%)"]) for t in TAUS] == [round(100 * s[t]["s_tau"], 4) for t in TAUS]
+    assert t4["delta_dtype"] == s[TAUS[0]]["delta_dtype"] and int(t4["updates"]) == 2
     assert "threshold_curve" in (results / "README.md").read_text()
     meta = json.loads((sw.dir / "sweep.json").read_text())
     logged = MlflowClient(meta["tracking_uri"]).list_artifacts(meta["parent_run_id"], "results")

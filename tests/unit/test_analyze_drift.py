@@ -3,6 +3,7 @@
 Every delta below is a power of two added to a base value that keeps it exact in fp32, so each count, sum and
 maximum has one right answer, computed here by hand (plain Python), never by the code under test."""
 
+import csv
 import json
 import math
 import weakref
@@ -338,3 +339,69 @@ def test_table4_row_carries_the_hand_counted_statistics(tmp_path):
     assert (row["max_abs_delta"], row["n_at_max"]) == (E, 3)
     (twice,) = table4_rows([st], st)
     assert twice["ratio_to_reference"] == 1.0
+
+
+def test_a_model_folder_is_a_reference_as_a_run_is(tmp_path, capsys):
+    """Table 4's GRPO side given as a model (a released checkpoint's folder), not a run: its drift from the runs'
+    base model divides theirs; a reference that is neither a run nor a model is named."""
+    base, center = _states()
+    model_dir = _model_dir(tmp_path, base)
+    rd = _run(tmp_path, model_dir, center)
+    half = {n: base[n] + (center[n] - base[n]) / 2 for n in base}  # every delta halved: exact in fp32
+    released = tmp_path / "released"
+    released.mkdir()
+    (released / "config.json").write_text("{}")
+    save_file(half, str(released / "model.safetensors"))
+    done = analyze_drift([rd.path], released, taus=TAUS, mlflow=False)
+    (none, ref, no_folder), (_, st, _) = done
+    assert none is None and no_folder is None and ref.label == str(released)
+    assert ref.rel_l2 == pytest.approx(st.rel_l2 / 2, rel=1e-12)
+    row = table4_rows([st], ref)[0]
+    assert row["ratio_to_reference"] == 2.0
+    table = (rd.path / "analysis" / "drift" / "table4.md").read_text()
+    assert str(released) in table  # the reference's row beside the run's
+    assert main(["analyze", "drift", str(rd.path), "--reference", str(tmp_path / "nothing"), "--no-mlflow"]) == 2
+    err = capsys.readouterr().err
+    assert f"reference {tmp_path / 'nothing'}: neither a run folder" in err, err
+
+
+def test_the_sweep_drift_analysis_tabulates_each_panel_against_its_reference(tmp_path):
+    """aggregate kind `drift` (Table 4 in a sweep's results): the reference method's run first, the ratio of each
+    run to it, unfinished runs named; a model as reference gets its own first row."""
+    from esbatch.aggregate.drift import write_drift
+    from esbatch.aggregate.results import RunResult
+    from esbatch.config.aggregate import parse_specs
+    from esbatch.launch.state import SweepDir
+
+    base, center = _states()
+    model_dir = _model_dir(tmp_path, base)
+    half = {n: base[n] + (center[n] - base[n]) / 2 for n in base}
+    sd = SweepDir(tmp_path / "sw")
+    _run(sd.run_dir("k-es").path.parent, model_dir, center, name="k-es")
+    _run(sd.run_dir("k-grpo").path.parent, model_dir, half, name="k-grpo", algorithm="grpo")
+    point = {"model.name": "m"}
+    runs = [
+        RunResult("k-es", "ES", "finished", {**point, "method": "ES"}, 5),
+        RunResult("k-grpo", "GRPO", "finished", {**point, "method": "GRPO"}, 5),
+        RunResult("k-pipe", "ES->GRPO", "failed", {**point, "method": "ES->GRPO"}, 5),
+    ]
+    (a,) = parse_specs([{"kind": "drift", "name": "t4", "reference": "GRPO", "taus": TAUS, "top_k": 4}])
+    out = tmp_path / "results"
+    out.mkdir()
+    write_drift(runs, a, out, sd.path)
+    rows = list(csv.DictReader((out / "t4.csv").open()))
+    assert [r["run"] for r in rows] == ["GRPO", "ES"]  # the reference first
+    es = rows[1]
+    assert float(es["ratio_to_reference"]) == 2.0 and es["delta_dtype"] == "float32"
+    assert es["top_by_type"] == "norm 2, attn_bias 1, mlp 1"  # |delta| E three times (2 norm, 1 bias), then 2^-8
+    assert es["s_tau@1e-06 (%)"] == str(round(100 * 2 / 11, 4))  # the hand count of the first test
+    md = (out / "t4.md").read_text()
+    assert "ES->GRPO (k-pipe): failed, not analysed" in md
+    released = tmp_path / "released"
+    released.mkdir()
+    save_file(half, str(released / "model.safetensors"))
+    (released / "config.json").write_text("{}")
+    (b,) = parse_specs([{"kind": "drift", "name": "t4m", "reference": str(released), "select": {"method": ["ES"]}}])
+    write_drift(runs, b, out, sd.path)
+    rows = list(csv.DictReader((out / "t4m.csv").open()))
+    assert [r["run"] for r in rows] == [str(released), "ES"] and float(rows[1]["ratio_to_reference"]) == 2.0

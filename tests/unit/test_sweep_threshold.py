@@ -289,3 +289,21 @@ def test_the_shipped_cpu_sweep_thresholds_es_and_grpo_on_the_training_task():
         [t["label"] for t in e["tasks"]] == ["Add2"] and e["sampling"]["n"] == 4 and e["sampling"]["temperature"] == 0.6
     )
     assert [(a.kind, a.name, a.y) for a in sw.analyses] == [("threshold_curve", "figure4", "pass@1")]
+
+
+def test_the_rq2_sweeps_reuse_rq1s_runs_and_tabulate_table4_and_figure4():
+    """rq2-easy / rq2-hard: their runs are rq1's ES and GRPO runs (the same keys, so finished folders are reused),
+    ES is thresholded on the training task (Easy) or MATH-500 (Hard) over a grid holding the paper's 1.5e-3, and
+    Table 4's reference is the GRPO run (Easy) or the released GRPO checkpoint (Hard)."""
+    easy, rq1 = load_sweep("rq2-easy"), load_sweep("rq1-easy")
+    keys = {r.key for r in rq1.runs if r.point["method"] in ("ES", "GRPO")}
+    assert {r.key for r in easy.runs} == keys and len(keys) == 6
+    assert easy.threshold["task"] == "GSM8K" and 1.5e-3 in easy.threshold["tau"]
+    assert {e.point["method"] for e in easy.evals} == {"ES"} and len(easy.evals) == 3 * 5  # 3 models x (4 taus + 0)
+    (drift,) = [a for a in easy.analyses if a.kind == "drift"]
+    assert drift.reference == "GRPO"
+    hard = load_sweep("rq2-hard")
+    assert [r.key for r in hard.runs] == [r.key for r in load_sweep("rq1-hard").runs if r.point["method"] == "ES"]
+    assert hard.threshold["task"] == "MATH-500"
+    (drift,) = [a for a in hard.analyses if a.kind == "drift"]
+    assert drift.reference.startswith("hf://zz1358m/SofT-GRPO-master/")
