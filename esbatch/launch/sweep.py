@@ -126,13 +126,21 @@ def load_sweep(
 ) -> Sweep:
     """Parse, expand and validate a sweep file; raises ConfigError naming every bad key before anything runs.
 
-    ``name`` renames the sweep (its folder and MLflow experiment), e.g. to run it again elsewhere.
+    ``name`` renames the sweep (its folder and MLflow experiment), e.g. to run it again elsewhere. ``overrides``
+    (--set) change the runs' config, except keys under ``evaluate.`` or ``threshold.``, which change those phases
+    of the sweep file (e.g. evaluate.set.sampling.n=4 to shrink the evaluation).
     """
     path = resolve_sweep_path(name_or_path)
     src = str(path)
     raw = read_yaml(path)
     if name is not None:
         raw["name"] = name
+    phase = [o for o in overrides or [] if o.partition("=")[0].strip().startswith(SWEEP_PHASES)]
+    overrides = [o for o in overrides or [] if o not in phase]
+    for section, values in parse_overrides(phase).items():
+        if not isinstance(raw.get(section), dict):
+            raise ConfigError([f"--set {section}...: the sweep has no `{section}:` section to change"], src)
+        raw[section] = deep_merge(raw[section], values)
     errors: list[str] = []
     spec = build(SweepFile, raw, "", errors) or SweepFile(name="sweep")  # keep going: report every problem
     base_data = _base(spec, path, overrides, errors)
@@ -193,6 +201,9 @@ def load_sweep(
         train_task=spec.evaluate.train_task if spec.evaluate else None,
         threshold=threshold,
     )
+
+
+SWEEP_PHASES = ("evaluate.", "threshold.")  # --set keys that change a phase of the sweep file, not the runs
 
 
 def _base(spec: SweepFile, path: Path, overrides: list[str] | None, errors: list[str]) -> dict[str, Any]:
