@@ -279,20 +279,19 @@ def write_eval_table(es: EvalSet, a: Any, out_dir: Path) -> Any:
                 if a.delta and (e is base or base is None):
                     continue
                 row = [str(e.param(a.rows)) + ("" if e.finished else " *")]
-                diffs: dict[str, Any] = {}  # task -> paired differences (delta)
+                diffs = _paired_diffs(e, base, metric) if a.delta else {}  # task -> differences from the base
                 for t in tasks:
                     ts = e.tasks.get(t)
                     if ts is None or metric not in ts.values:
                         row.append("—")
                         continue
                     if a.delta:
-                        d = paired_diff(ts, base.tasks[t], metric) if t in base.tasks else None
-                        if d is None or not len(d):
+                        d = diffs.get(t)
+                        if d is None:
                             row.append("—")
                             continue
                         mean, lo, hi = bootstrap_ci([d])
                         row.append(_ci_cell(metric, mean, lo, hi))
-                        diffs[t] = d
                         csv_rows.append([panel, e.param(a.rows), t, metric, mean, lo, hi, len(d), ts.n, e.finished])
                     else:
                         v, p = ts.mean(metric), len(ts.ids)
@@ -330,6 +329,18 @@ def write_eval_table(es: EvalSet, a: Any, out_dir: Path) -> Any:
     csv_path = write_csv(out_dir / f"{a.name}.csv", header, csv_rows)
     body = "\n\n".join(parts + ["*" + " ".join(notes) + "*"])
     return finish(a, out_dir, f"{a.name}: {', '.join(a.metrics)}{' vs base' if a.delta else ''}", body, [csv_path])
+
+
+def _paired_diffs(e: EvalEntry, base: EvalEntry, metric: str) -> dict[str, Any]:
+    """Task -> per-problem differences of ``e`` from ``base`` in ``metric``, for every task both have (shown or
+    only averaged)."""
+    out = {}
+    for t, ts in e.tasks.items():
+        if t in base.tasks and metric in ts.values:
+            d = paired_diff(ts, base.tasks[t], metric)
+            if d is not None and len(d):
+                out[t] = d
+    return out
 
 
 def _averages_note(averages: list[tuple[str, list[str]]]) -> str:

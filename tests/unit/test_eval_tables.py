@@ -243,6 +243,12 @@ def test_each_average_column_means_exactly_its_own_tasks(evalset, tmp_path):
     math = next(r for r in lines if r[1] == "ES" and r[2] == "Math")
     # ES - Base: Train +0.25 on every problem, A [0, 0, .25, .25]: the mean of the two task means
     assert float(math[4]) == pytest.approx((0.25 + 0.125) / 2)
+    # an average over tasks the table does not show: paired all the same (A as above, B [0, .25, 0, 0])
+    (h,) = parse_specs([{**spec, "name": "h", "delta": True, "tasks": ["Train"], "averages": {"AB": ["A", "B"]}}])
+    write_eval_table(evalset, h, tmp_path)
+    rows = [r.split(",") for r in (tmp_path / "h.csv").read_text().splitlines()[1:]]
+    ab = next(r for r in rows if r[1] == "ES" and r[2] == "AB")
+    assert float(ab[4]) == pytest.approx((0.125 + 0.0625) / 2)
 
 
 def test_an_average_over_an_unknown_task_is_named(evalset, tmp_path):
