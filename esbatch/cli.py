@@ -41,6 +41,7 @@ from esbatch.eval.plots import plot_pareto, plot_passk
 from esbatch.eval.runner import EvalDir, evaluate
 from esbatch.grpo.config import GRPOConfig
 from esbatch.launch.base import LAUNCHERS
+from esbatch.launch.cost import load_table
 from esbatch.launch.state import SweepDir, folder_problem
 from esbatch.launch.submit import (
     cancel_sweep,
@@ -53,14 +54,14 @@ from esbatch.launch.submit import (
     submit_sweep,
 )
 from esbatch.launch.sweep import load_sweep
-from esbatch.models import DTYPES, MODELS, ModelFileError, load_model_and_tokenizer
+from esbatch.models import DTYPES, MODELS, ModelFileError, meta_parameter_count
 from esbatch.registry import UnknownNameError
 from esbatch.tasks import TASKS, DataFileError
 from esbatch.tasks.verify import ScoringError
 from esbatch.tracking import TrackingStoreError
 from esbatch.train import fingerprint, stop, train
-from esbatch.train.config import ALGORITHMS, TrainConfig
-from esbatch.train.flops import format_accounting
+from esbatch.train.config import ALGORITHMS
+from esbatch.train.flops import format_accounting, mean_prompt_tokens
 from esbatch.train.lock import held_env, writer_lock
 from esbatch.train.rundir import RunDir, RunFolderError
 from esbatch.train.sections import RunConfig
@@ -251,10 +252,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     sweep = load_sweep(args.sweep, launcher=args.launcher, overrides=args.overrides, name=args.name)
+    table = load_table(args.throughput)  # the cost plan's rates: built in, or measured (scripts/gpu_check.py)
     if args.dry_run:
-        return dry_run(sweep, sys.stdout)
+        return dry_run(sweep, sys.stdout, table)
     stop.install()
-    code = submit_sweep(sweep, wait=args.wait)
+    code = submit_sweep(sweep, wait=args.wait, table=table)
     if code != 130 and (sweep.profile.cluster == "local" or (args.wait and not sweep.profile.aggregate_job)):
         code = _aggregate_after_sweep(sweep.dir) or code
     elif code != 130 and args.wait and (sweep.dir / "results" / "README.md").exists():
@@ -382,9 +384,9 @@ def cmd_eval_plot(args: argparse.Namespace) -> int:
 def cmd_flops(args: argparse.Namespace) -> int:
     """Per-update FLOPs of ES and GRPO for a config, and the matched setting of the other (App. G.2)."""
     cfg = load_config(args.config, args.overrides)
-    params, prompt_tokens = args.params, args.prompt_tokens
-    if params is None or prompt_tokens is None:
-        params, prompt_tokens = _measure_model(cfg, params, prompt_tokens)
+    m = cfg.model
+    params = args.params or meta_parameter_count(m.name, m.gguf_file, m.revision)  # config only: no weights
+    prompt_tokens = args.prompt_tokens if args.prompt_tokens is not None else mean_prompt_tokens(cfg)
     gen_tokens = args.gen_tokens or cfg.generation.max_new_tokens
     es, grpo = cfg.section(ESConfig), cfg.section(GRPOConfig)
     sec = grpo if cfg.algorithm == "grpo" else es  # a pipeline: the ES stage's batch
@@ -406,20 +408,6 @@ def cmd_flops(args: argparse.Namespace) -> int:
         )
     )
     return 0
-
-
-def _measure_model(cfg: TrainConfig, params: int | None, prompt_tokens: float | None) -> tuple[int, float]:
-    """Parameter count and mean prompt length of the task's first 64 training prompts, from the model."""
-    from esbatch.backends.hf import HFGenerator  # heavy: torch
-    from esbatch.train.problems import load_problems
-
-    m = cfg.model
-    model, tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, "float32", "cpu")
-    params = params or sum(p.numel() for p in model.parameters())
-    if prompt_tokens is None:
-        prompts = load_problems(cfg, HFGenerator(model, tok)).train_prompts[:64]
-        prompt_tokens = sum(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts) / len(prompts)
-    return params, prompt_tokens
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -644,7 +632,7 @@ def _training_commands(sub: Any) -> None:
 
     fl = sub.add_parser("flops", help="ES vs GRPO FLOPs per update for a config, and the FLOP-matched N or G")
     fl.add_argument("config", nargs="?", help="YAML file or built-in config name")
-    fl.add_argument("--params", type=int, help="parameter count (default: load the model and count)")
+    fl.add_argument("--params", type=int, help="parameter count (default: from the model's config, no weights)")
     fl.add_argument("--prompt-tokens", type=float, help="mean prompt tokens (default: measured on the task)")
     fl.add_argument("--gen-tokens", type=float, help="mean generated tokens (default: max_new_tokens)")
     _add_set(fl)
@@ -666,6 +654,12 @@ def _sweep_commands(sub: Any) -> None:
     sw.add_argument("--name", help="run the sweep under another name (its own folder and MLflow experiment)")
     sw.add_argument("--dry-run", action="store_true", help="print the runs and the sbatch script; submit nothing")
     sw.add_argument("--wait", action="store_true", help="follow the submitted jobs with a live progress display")
+    sw.add_argument(
+        "--throughput",
+        metavar="FILE",
+        help="measured generation rates for the cost plan: a saved scripts/gpu_check.py output (default: "
+        "$ESBATCH_THROUGHPUT, else the built-in table of esbatch/launch/throughput.py)",
+    )
     _add_set(sw)
     sw.set_defaults(func=cmd_sweep)
 

@@ -393,6 +393,56 @@ def parameter_count(name: str, gguf_file: str | None = None, revision: str | Non
     return sum(math.prod(reader.shape(k)) for k in reader.keys())
 
 
+# ----------------------------------------------------------------------------- the model's config, no weights
+
+
+def config_location(name: str, gguf_file: str | None = None, revision: str | None = None) -> tuple[str, dict[str, Any]]:
+    """Where the model's config and tokenizer can be read without loading or dequantizing its weights: (folder or
+    hub id, keyword arguments of ``from_pretrained``). A GGUF model: its cached dequantized copy when there is one,
+    else the GGUF file itself (its metadata holds both)."""
+    if why := model_problem(name, gguf_file):
+        raise ModelNotFoundError(f"model.name: {why}")
+    src = resolve_source(name, gguf_file, revision)
+    if src.gguf_file:
+        cached = _dequantized_dir(src)
+        if (cached / "config.json").exists():
+            return str(cached), {}
+        return src.path, {"gguf_file": src.gguf_file}
+    return src.path, {"revision": src.revision}
+
+
+def hf_parameter_shapes(model_dir: str, revision: str | None = None, **kwargs: Any) -> dict[str, list[int]]:
+    """The HF parameter names and shapes (tied weights once), from the config alone (meta device, no weights).
+    ``kwargs`` go to ``AutoConfig.from_pretrained`` (gguf_file, local_files_only)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, revision=revision, **kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {n: list(p.shape) for n, p in model.named_parameters()}
+
+
+def meta_parameter_count(
+    name: str, gguf_file: str | None = None, revision: str | None = None, *, local_only: bool = False
+) -> int:
+    """The model's parameter count from its config, built on the meta device: no weights are read or allocated,
+    and tied weights (embeddings shared with the LM head) count once, as in the saved files. ``local_only``: fetch
+    nothing (a hub model whose config is not in the local cache raises OSError)."""
+    path, kwargs = config_location(name, gguf_file, revision)
+    if local_only:
+        kwargs["local_files_only"] = True
+    return sum(math.prod(s) for s in hf_parameter_shapes(path, **kwargs).values())
+
+
+def load_tokenizer(name: str, gguf_file: str | None = None, revision: str | None = None) -> Any:
+    """The model's tokenizer alone (no weights loaded; a GGUF model is not dequantized for it)."""
+    from transformers import AutoTokenizer
+
+    path, kwargs = config_location(name, gguf_file, revision)
+    return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
 class SafetensorsReader:
     """Tensors of one or more .safetensors files by name, each read from disk when asked for (never all at once)."""
 

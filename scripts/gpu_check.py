@@ -17,6 +17,8 @@
 Then one markdown table: quantity | measured | bound / reference | ratio | ok. Rows marked ok or FAILED are
 judged (a step that fails, noise that differs, ES memory above inference + its state + workspace); speed rows
 are "info": figures against their bound, which never fail the check. Exits 2 without CUDA, 1 when a row failed.
+Its output saved (`... | tee gpu-check.txt`) gives the cost plan of `esbatch sweep --throughput gpu-check.txt` each
+backend's measured generation rate on this GPU (esbatch/launch/throughput.py).
 
 `--device cpu --model DIR` runs step 1 and the table on the CPU (steps 2-4 marked n/a), so this code path
 runs without a GPU.

@@ -1,6 +1,7 @@
 """The disk a planned run will fill, for `esbatch sweep FILE --dry-run`: its weight files, from the model's
 parameter count (read from the files' headers, esbatch/models.py:parameter_count) and the dtypes the config
-sets. Logs (log.jsonl, eval.jsonl, MLflow) are a few MB per run and left out.
+sets. Logs (log.jsonl, eval.jsonl, MLflow) are a few MB per run and left out. An epochs budget counts as the
+updates it makes over the training split as the dataset card counts it (``planned_updates``).
 
 Per run (P parameters, d = bytes per parameter of model.dtype):
 
@@ -27,6 +28,7 @@ from typing import Any
 from esbatch.es.config import ESConfig
 from esbatch.models import NOMINAL_PARAMETERS, parameter_count
 from esbatch.pipeline import stage_configs
+from esbatch.tasks import TASKS
 from esbatch.train.config import TrainConfig
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -58,6 +60,25 @@ def human(n: float) -> str:
     return ""  # unreachable
 
 
+def train_problems(cfg: TrainConfig) -> int | None:
+    """The training split's size: task.train_size, else the dataset card's count (``Task.train_rows``; a generated
+    task: its default); None when unknown (a local data_path is not read)."""
+    cls = TASKS.get(cfg.task.name)
+    rows = None if cfg.task.data_path else cls.train_rows or getattr(cls, "default_train_size", None)
+    if cfg.task.train_size:
+        return min(cfg.task.train_size, rows) if rows else cfg.task.train_size
+    return rows
+
+
+def planned_updates(cfg: TrainConfig) -> int | None:
+    """Updates the run will make: the config's, or for an epochs budget, from the training split's size."""
+    planned = cfg.algo().planned_budget(cfg)
+    if planned is not None:
+        return planned
+    n = train_problems(cfg)
+    return cfg.total_updates(n) if n else None
+
+
 def run_disk(cfg: TrainConfig, params: int | None) -> RunDisk:
     """The weight files run config ``cfg`` leaves on disk, for a model of ``params`` parameters."""
     out = RunDisk(params)
@@ -70,7 +91,7 @@ def run_disk(cfg: TrainConfig, params: int | None) -> RunDisk:
             out.transient = max(out.transient, stage.transient)
         return out
     d = BYTES[cfg.model.dtype]
-    budget = cfg.algo().planned_budget(cfg)
+    budget = planned_updates(cfg)
     ck = cfg.checkpoint
     if cfg.algorithm == "grpo":
         center, dtype = params * 4, "fp32"

@@ -18,11 +18,13 @@ import yaml
 from esbatch import durable
 from esbatch.config.launcher import LauncherProfile, mem_mb
 from esbatch.launch.base import LAUNCHERS, launcher_for
+from esbatch.launch.cost import print_plan
 from esbatch.launch.disk import sweep_disk
 from esbatch.launch.evals import eval_disk_state, eval_progress, is_eval_key
 from esbatch.launch.slurm import job_state
 from esbatch.launch.state import ACTIVE_STATES, RunState, SweepDir, combine, disk_state, folder_problem, now
 from esbatch.launch.sweep import Sweep
+from esbatch.launch.throughput import Table
 from esbatch.train import stop
 from esbatch.train.lock import writer_lock
 from esbatch.train.rundir import RunDir, RunFolderError
@@ -258,7 +260,9 @@ def folder_notes(sd: SweepDir, states: list[RunState]) -> list[str]:
     return notes
 
 
-def dry_run(sweep: Sweep, out: Any) -> int:
+def dry_run(sweep: Sweep, out: Any, table: Table | None = None) -> int:
+    """Print the runs, evals, disk, cost plan (``table``: the throughput rates, esbatch/launch/cost.py) and what
+    the launcher would do; submit nothing."""
     sd = SweepDir(sweep.dir)
     existing = {s.key: s for s in run_states(sd)} if sd.exists() else {}
     prof = sweep.profile
@@ -272,22 +276,23 @@ def dry_run(sweep: Sweep, out: Any) -> int:
         after = f"after {e.source}" if e.source else "at once"
         print(f"       {e.key}  {e.label:50s} {st.state if st else 'new'} ({after})", file=out)
     sweep_disk(sweep.runs, out)
+    print_plan(sweep, out, table=table)
     todo = [r.key for r in sweep.runs if not (existing.get(r.key) and existing[r.key].state in DONE_OR_ACTIVE)]
     eval_todo, _ = evals_to_submit(sweep, existing, todo, out)  # as the submission picks them, waiting ones named
     print("\n" + launcher_for(prof).describe(sd, sweep.name, len(todo) + len(eval_todo)), file=out)
     return 0
 
 
-def submit_sweep(sweep: Sweep, *, wait: bool = False, out: Any = None) -> int:
+def submit_sweep(sweep: Sweep, *, wait: bool = False, out: Any = None, table: Table | None = None) -> int:
     """Plan, skip what is finished or active, submit the rest. Returns a process exit code (130: stopped).
 
     Under the sweep folder's writer lock (esbatch/train/lock.py) from planning until it returns, which for the
     local launcher includes driving every run: a second `esbatch sweep` of the folder exits 2 meanwhile."""
     with writer_lock(sweep.dir, "sweep folder"):
-        return _submit_sweep(sweep, wait=wait, out=out or sys.stdout)
+        return _submit_sweep(sweep, wait=wait, out=out or sys.stdout, table=table)
 
 
-def _submit_sweep(sweep: Sweep, *, wait: bool, out: Any) -> int:
+def _submit_sweep(sweep: Sweep, *, wait: bool, out: Any, table: Table | None = None) -> int:
     sd = write_plan(sweep)
     states = {s.key: s for s in run_states(sd)}
     todo = [r.key for r in sweep.runs if states[r.key].state not in DONE_OR_ACTIVE]
@@ -306,6 +311,7 @@ def _submit_sweep(sweep: Sweep, *, wait: bool, out: Any) -> int:
     print(f"  submitting {len(todo)} run(s) ({resumed} resume from their folders)", file=out)
     if eval_todo:
         print(f"  and {len(eval_todo)} eval(s), {len(after)} of them after their run's training", file=out)
+    _plan_of_submission(sweep, todo, eval_todo, table, out)
     launcher = launcher_for(sweep.profile)
     if launcher.foreground:
         return _run_here(launcher, sd, sweep, todo + eval_todo, out, after)
@@ -330,6 +336,16 @@ def _submit_sweep(sweep: Sweep, *, wait: bool, out: Any) -> int:
             print(f"error: the aggregator job ended {agg_state}; retry with: esbatch aggregate {sd.path}", file=out)
             return 1
     return 0
+
+
+def _plan_of_submission(sweep: Sweep, todo: list[str], eval_todo: list[str], table: Table | None, out: Any) -> None:
+    """The cost plan of what is submitted now (its totals and time-limit warnings); a plan that cannot be made
+    (a model whose config cannot be read) is said and never stops the submission."""
+    runs, evals = [r for r in sweep.runs if r.key in todo], [e for e in sweep.evals if e.key in eval_todo]
+    try:
+        print_plan(sweep, out, runs, evals, table, detail=False)
+    except Exception as e:  # noqa: BLE001 - an estimate: its failure is said, the submission goes on
+        print(f"  cost plan not available ({type(e).__name__}: {e}); `esbatch sweep --dry-run` shows where", file=out)
 
 
 def evals_to_submit(

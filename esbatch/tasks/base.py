@@ -60,6 +60,11 @@ class Task:
     #: Problems ``eval_examples(None)`` draws from a task without a fixed test split (a generator has no
     #: "whole split"); tasks that read a dataset override ``eval_examples`` and return all of its rows.
     default_eval_size: ClassVar[int] = 500
+    #: Problems of a dataset task's default hub splits as its dataset card counts them (training split; evaluation
+    #: split, what ``eval_examples(None)`` returns), for `esbatch sweep --dry-run`'s cost plan, which downloads
+    #: nothing; None: not known before the data is read.
+    train_rows: ClassVar[int | None] = None
+    eval_rows: ClassVar[int | None] = None
 
     def __init__(self, data_path: str | None = None) -> None:
         self.data_path = data_path

@@ -91,6 +91,7 @@ class GPQATask(_ChoiceTask):
     """
 
     title = "GPQA"
+    eval_rows = 198  # GPQA-Diamond
 
     def __init__(
         self,
@@ -127,6 +128,7 @@ class CommonsenseQATask(_ChoiceTask):
     questions) is the evaluation set because the test split has no public answers. Demos: the train split."""
 
     title = "CommonsenseQA"
+    eval_rows = 1221  # the validation split
     demo_split = "train"
 
     def __init__(

@@ -79,6 +79,7 @@ class GSM8KTask(Task):
     """GSM8K grade-school math word problems; numeric answer in \\boxed{}."""
 
     family = "math"
+    train_rows, eval_rows = 7473, 1319  # openai/gsm8k main: train, test
 
     def __init__(
         self,

@@ -59,6 +59,7 @@ class HotpotQATask(BenchmarkTask):
 
     family = "open_qa"
     title = "HotpotQA"
+    eval_rows = 7405  # distractor, validation
     demo_split = "train"
 
     def __init__(

@@ -188,6 +188,7 @@ class Math500Task(MathBenchmarkTask):
     """MATH-500 (Lightman et al., 2023): 500 MATH test problems; fields problem/answer/solution."""
 
     title = "MATH-500"
+    eval_rows = 500
     default_hub_id = "HuggingFaceH4/MATH-500"
 
 
@@ -195,6 +196,7 @@ class AIME2024Task(MathBenchmarkTask):
     r"""AIME 2024 I+II, 30 problems (math-ai/aime24: fields problem, solution = ``\boxed{N}``)."""
 
     title = "AIME 2024"
+    eval_rows = 30
     default_hub_id = "math-ai/aime24"
 
 
@@ -202,6 +204,7 @@ class AIME2025Task(MathBenchmarkTask):
     """AIME 2025 I+II, 30 problems (math-ai/aime25: fields problem, answer)."""
 
     title = "AIME 2025"
+    eval_rows = 30
     default_hub_id = "math-ai/aime25"
 
 
@@ -209,6 +212,7 @@ class AMC2023Task(MathBenchmarkTask):
     """AMC 2023, 40 problems (math-ai/amc23: fields question, answer)."""
 
     title = "AMC 2023"
+    eval_rows = 40
     default_hub_id = "math-ai/amc23"
 
 
@@ -226,6 +230,7 @@ class DeepScaleRTask(_MathScoring, Task):
 
     family = "math"
     title = "DeepScaleR"
+    train_rows = 40315  # the release's rows, before de-duplication and the held-out and demo problems
     partition_seed: ClassVar[int] = 0
 
     def __init__(

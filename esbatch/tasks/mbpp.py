@@ -62,6 +62,7 @@ class MBPPTask(Task):
     """MBPP Python problems; the answer is one Python code block, checked by running the problem's asserts."""
 
     family = "code"
+    train_rows, eval_rows = 120, 257  # sanitized: train, test
 
     def __init__(
         self,

@@ -54,6 +54,7 @@ class SST2Task(Task):
     """SST-2 sentiment: answer ``positive`` or ``negative``; scored by exact label match."""
 
     family = "sentiment"
+    train_rows, eval_rows = 67349, 872  # stanfordnlp/sst2: train, validation
 
     def __init__(
         self,

@@ -9,9 +9,14 @@ ignored); a response costs 2P L, L = L_p + L_g (no prefix caching). Per update:
 
 Noise generation (ES) and gradient clipping (GRPO) are not counted. On the model passes 2N = 8G, so N = 32
 matches G = 8, the paper's pairing; the per-parameter terms make the match of totals approximate.
+
+`esbatch flops` takes P from the model's config on the meta device (esbatch/models.py:meta_parameter_count: no
+weights loaded, tied embeddings once) and L_p from the tokenizer alone (``mean_prompt_tokens``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 FORWARD = 2  # FLOPs per parameter per token
 BACKWARD = 4
@@ -172,3 +177,25 @@ def format_accounting(
         f"FLOP-matched GRPO group for N={N}: G = {g_match:.3f}",
     ]
     return "\n".join(lines)
+
+
+class _ChatTemplate:
+    """What load_problems needs of a generator (prompts rendered with the model's chat template), without a model."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def mean_prompt_tokens(cfg: Any, n: int = 64) -> float:
+    """Mean token count of the task's first ``n`` training prompts (chat template, few-shot turns and system prompt
+    included), from the model's tokenizer alone: no weights are loaded."""
+    from esbatch.models import load_tokenizer
+    from esbatch.train.problems import load_problems
+
+    m = cfg.model
+    tok = load_tokenizer(m.name, m.gguf_file, m.revision)
+    prompts = load_problems(cfg, _ChatTemplate(tok)).train_prompts[:n]  # type: ignore[arg-type]
+    return sum(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts) / len(prompts)

@@ -324,7 +324,7 @@ def test_a_failed_aggregation_makes_the_sweep_exit_non_zero(tmp_path, monkeypatc
 
     spec = {"name": "t", "base": "quickstart", "output_dir": str(tmp_path / "out"), "seeds": [0]}
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
-    monkeypatch.setattr(cli, "submit_sweep", lambda sweep, wait=False: 0)  # the runs went well
+    monkeypatch.setattr(cli, "submit_sweep", lambda sweep, wait=False, table=None: 0)  # the runs went well
 
     def broken(sweep_dir):
         raise OSError(28, "No space left on device")

@@ -110,3 +110,38 @@ def test_format_accounting_with_mu_counts_generated_batches_per_run():
     row = next(line for line in text.splitlines() if line.startswith("GRPO") and "total" in line)
     assert f"{total:.3e}" in row and f"{total * 150:.3e}" in row  # 300 optimizer steps = 150 generated batches
     assert "train forward + backward (mu=2)" in text and "old log-probs " in text and "not recomputed" not in text
+
+
+def test_flops_command_counts_the_config_on_the_meta_device_without_loading_weights(
+    tmp_path, tiny_model_dir, capsys, monkeypatch
+):
+    """`esbatch flops`: P from the model's config (tied embeddings once, as the saved file holds them) and L_p from
+    the tokenizer alone; the same mean prompt length as from the loaded model (the command's former path)."""
+    import transformers
+    import yaml
+    from safetensors.torch import load_file
+    from toy import toy_config
+
+    from esbatch.backends.hf import HFGenerator
+    from esbatch.cli import main
+    from esbatch.config import load_config
+    from esbatch.models import load_model_and_tokenizer
+    from esbatch.train.flops import mean_prompt_tokens
+    from esbatch.train.problems import load_problems
+
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(toy_config(tiny_model_dir, es_updates=2)))
+    cfg = load_config(str(tmp_path / "c.yaml"))
+    model, tok = load_model_and_tokenizer(str(tiny_model_dir))
+    prompts = load_problems(cfg, HFGenerator(model, tok)).train_prompts[:64]
+    loaded_mean = sum(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts) / len(prompts)
+    assert mean_prompt_tokens(cfg) == loaded_mean
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("esbatch flops loaded the model's weights")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    assert main(["flops", str(tmp_path / "c.yaml")]) == 0
+    params = sum(t.numel() for t in load_file(str(tiny_model_dir / "model.safetensors")).values())
+    assert params == sum(p.numel() for p in model.parameters())
+    out = capsys.readouterr().out
+    assert f"P = {params:,} parameters; prompt {loaded_mean:.0f} tokens" in out
