@@ -169,6 +169,8 @@ def load_sweep(
     if profile.cluster == "slurm" and not (base_data.get("run") or {}).get("threads"):
         base_data = deep_merge(base_data, {"run": {"threads": profile.cpus_per_task}})
     runs = _expand(spec.name, base_data, axes, sweep_dir, src)
+    if errors := engine_errors(runs, profile, str(launcher_name)):
+        raise ConfigError(errors, src)
     evals: list[PlannedEval] = []
     if spec.evaluate is not None:
         bases = load_eval_bases(spec.evaluate, path, errors)
@@ -201,6 +203,20 @@ def load_sweep(
         train_task=spec.evaluate.train_task if spec.evaluate else None,
         threshold=threshold,
     )
+
+
+def engine_errors(runs: list[PlannedRun], profile: LauncherProfile, launcher: str) -> list[str]:
+    """Runs whose vLLM engines (one per GPU) outnumber the GPUs a task of a GPU profile gets: refused here, not
+    when the job starts on the node."""
+    if not profile.gpus_per_node:
+        return []
+    return [
+        f"run {r.key} ({r.label}): backend.engines: {r.config.backend.engines} vLLM engines need a GPU each, but "
+        f"launcher profile {launcher} gives a task gpus_per_node: {profile.gpus_per_node}; set "
+        f"launcher_overrides: {{gpus_per_node: {r.config.backend.engines}}} or lower backend.engines"
+        for r in runs
+        if r.config.backend.name == "vllm" and r.config.backend.engines > profile.gpus_per_node
+    ]
 
 
 SWEEP_PHASES = ("evaluate.", "threshold.")  # --set keys that change a phase of the sweep file, not the runs

@@ -24,6 +24,7 @@ from esbatch.launch.submit import submit_sweep
 from esbatch.launch.sweep import load_sweep
 from esbatch.launch.throughput import ASSUMED, Rate, Table, device_kind, gpu_check_rates, load_rates, size_class
 from esbatch.models import load_model_and_tokenizer, meta_parameter_count, parameter_count
+from esbatch.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 L, LE = 6, 7  # generation.max_new_tokens of the runs; sampling.max_new_tokens of the eval phase
@@ -285,3 +286,25 @@ def test_size_classes_and_device_kinds():
     builtin = Table()
     assert all(r.measured == r.source.startswith("measured") for r in builtin.rates.values())
     assert builtin.get(135_000_000, "hf", "cpu").measured and not builtin.get(1.5e9, "vllm", "h100").measured
+
+
+@pytest.mark.parametrize(("engines", "gpus", "refused"), [(8, 8, False), (9, 8, True), (2, 1, True), (1, 1, False)])
+def test_vllm_engines_beyond_a_tasks_gpus_are_refused_before_submitting(
+    tmp_path, tiny_model_dir, engines, gpus, refused
+):
+    """Each vLLM engine needs a GPU: a GPU profile with fewer per task is named at planning, not on the node; the
+    boundary (as many engines as GPUs) passes. CPU profiles (gpus_per_node: 0) run engines on cores: no limit."""
+    base = toy_config(tiny_model_dir, es_updates=1, backend={"name": "vllm", "engines": engines})
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    sweep = {"name": "s", "base": "base.yaml", "output_dir": str(tmp_path / "out"), "launcher": "h100"}
+    sweep["launcher_overrides"] = {"gpus_per_node": gpus}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(sweep))
+    if refused:
+        want = f"backend.engines: {engines} vLLM engines need a GPU each.*gpus_per_node: {gpus}"
+        with pytest.raises(ConfigError, match=want):
+            load_sweep(str(tmp_path / "s.yaml"))
+    else:
+        assert len(load_sweep(str(tmp_path / "s.yaml")).runs) == 1
+    sweep.update(launcher="local", launcher_overrides={})
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(sweep))
+    assert len(load_sweep(str(tmp_path / "s.yaml")).runs) == 1
