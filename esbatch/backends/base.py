@@ -4,7 +4,7 @@
 moves: perturb from a seed, restore the center, apply an update (one ``UpdateSpec``), load, checksum,
 without the trainer knowing how or where the weights live (one HF model, or vLLM engines).
 A registered backend (esbatch/backends/__init__.py:BackendFactory) builds these for each use: ``for_es(setup)``,
-``for_inference(model_cfg, center, batch_size)`` and ``for_policy(module, tokenizer, batch_size)``; each
+``for_inference(model_cfg, center, batch_size)`` and ``for_policy(module, tokenizer, setup)``; each
 ESBackend's ``for_es`` builds its own class, and the registry picks the class (by es.perturbation).
 """
 
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from esbatch.backends.config import ESSetup
+from esbatch.backends.config import BackendConfig, ESSetup
 from esbatch.backends.dispatch import Claim, dispatch
 from esbatch.models import ModelConfig
 from esbatch.perturb.update import UpdateSpec
@@ -50,6 +50,7 @@ class Generation:
     n_tokens: int  # generated tokens, EOS included when it was produced
     entropy: float | None = None  # mean over the response's tokens of H(p_t), p_t = the sampling distribution
     token_ids: list[int] | None = None  # the sampled tokens (GRPO scores these, not a re-tokenized text)
+    token_entropy: list[float] | None = None  # H(p_t) of each token (entropy's terms), with sampling.entropy
 
 
 @dataclass
@@ -97,6 +98,10 @@ class Generator(ABC):
         """Release engine processes (no-op for in-process backends); the backend is unusable afterwards."""
         return None
 
+    def load_policy(self, params: Iterable[tuple[str, torch.Tensor]]) -> None:  # noqa: B027 - optional hook
+        """A policy generator that holds its own copy of the weights loads these (HF names, the trained module's
+        changed tensors) after an optimizer step; a generator reading the module itself has nothing to do."""
+
 
 class ESBackend(Generator):
     """A generator whose weights follow an fp32 center that ES perturbs, restores and updates in place.
@@ -113,13 +118,18 @@ class ESBackend(Generator):
         """Build the backend (load the model) for ES training (esbatch/backends/config.py:ESSetup)."""
 
     @classmethod
-    def for_inference(cls, model: ModelConfig, center: Path | None, batch_size: int) -> Generator:
-        """A generator for evaluation: ``model`` (a ModelConfig) with the weights of ``center`` if given."""
+    def for_inference(
+        cls, model: ModelConfig, center: Path | None, batch_size: int, backend: BackendConfig | None = None
+    ) -> Generator:
+        """A generator for evaluation: ``model`` (a ModelConfig) with the weights of ``center`` if given;
+        ``backend``: the eval config's backend section (engine settings), None for the defaults."""
         raise NotImplementedError(f"{cls.__name__} cannot serve evaluations")
 
     @classmethod
-    def for_policy(cls, module: Any, tokenizer: Any, batch_size: int) -> Generator:
-        """A generator over a model being trained by gradients (GRPO), sharing its weights."""
+    def for_policy(cls, module: Any, tokenizer: Any, setup: ESSetup) -> Generator:
+        """A generator of the policy ``module`` that gradients train (GRPO): it reads the module itself, or holds a
+        copy that ``load_policy`` brings up to date. ``setup``: the model and backend sections (model.dtype: the
+        module's), generation.batch_size, run.seed and run.hang_timeout_s; the ES settings are unused."""
         raise NotImplementedError(f"{cls.__name__} cannot generate from a training module")
 
     def evaluate_population(

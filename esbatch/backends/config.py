@@ -18,7 +18,10 @@ class BackendConfig:
 
     name: str = setting("hf", "Generation backend (see `esbatch ls`): hf, or vllm (imported only when chosen).")
     engines: int = setting(
-        1, "vllm: engines on this node; the population is sharded over them (one GPU each on GPU nodes).", ge=1
+        1,
+        "vllm: engines on this node; the population (evals: each call's prompts) is sharded over them (one GPU "
+        "each on GPU nodes).",
+        ge=1,
     )
     gpu_memory_utilization: float = setting(0.85, "vllm: fraction of each GPU an engine may use.", gt=0, le=1)
     kv_cache_gb: int = setting(2, "vllm on CPU: KV cache size per engine in whole GiB (VLLM_CPU_KVCACHE_SPACE).", ge=1)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from esbatch.backends.base import ESBackend, Generation, Generator, SamplingParams, UpdateStats
-from esbatch.backends.config import ESSetup
+from esbatch.backends.config import BackendConfig, ESSetup
 from esbatch.models import ModelConfig, load_model_and_tokenizer, load_weights
 from esbatch.perturb import DEFAULT_NOISE, weights_for
 from esbatch.perturb.update import UpdateSpec
@@ -87,6 +87,7 @@ class HFGenerator(Generator):
             **enc, generation_config=gcfg, logits_processor=LogitsProcessorList(procs) if procs else None
         )
         ent = meter.means() if meter else None
+        per_token = meter.tokens() if meter else None
         out: list[Generation] = []
         for r, row in enumerate(seqs[:, enc["input_ids"].shape[1] :].tolist()):
             n_tok = len(row)
@@ -95,7 +96,8 @@ class HFGenerator(Generator):
                     n_tok = k + 1
                     break
             text = self.tok.decode(row[:n_tok], skip_special_tokens=True)
-            out.append(Generation(text, n_tok, None if ent is None else ent[r], row[:n_tok]))
+            h = None if per_token is None else per_token[r]
+            out.append(Generation(text, n_tok, None if ent is None else ent[r], row[:n_tok], h))
         return out
 
 
@@ -104,8 +106,8 @@ class _EntropyMeter:
 
     HF runs custom processors before its temperature/top-p warpers, so the meter divides by the temperature
     itself: H is that of softmax(logits / T), the temperature-scaled distribution before top-p truncation
-    (TRL's convention; greedy: T = 1). Rows stop counting after EOS. Memory: two floats per row instead of
-    keeping (steps x vocab) scores.
+    (TRL's convention; greedy: T = 1). Rows stop counting after EOS. Memory: a float per row and step (each
+    token's entropy, ``tokens``) instead of keeping (steps x vocab) scores.
     """
 
     def __init__(self, eos_ids: list[int], temperature: float = 1.0) -> None:
@@ -115,6 +117,7 @@ class _EntropyMeter:
         self.count: torch.Tensor | None = None
         self.done: torch.Tensor | None = None
         self.start: int | None = None
+        self.steps: list[torch.Tensor] = []  # each step's H of every row
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.total is None:
@@ -128,10 +131,18 @@ class _EntropyMeter:
         live = ~self.done
         self.total += torch.where(live, h, 0.0)
         self.count += live.double()
+        self.steps.append(h)
         return scores
 
     def means(self) -> list[float]:
         return (self.total / self.count.clamp(min=1)).tolist()
+
+    def tokens(self) -> list[list[float]]:
+        """Each row's per-token entropies: its first ``count`` steps (a row counts until its EOS)."""
+        if not self.steps:
+            return []
+        table = torch.stack(self.steps, dim=1).tolist()
+        return [row[: int(n)] for row, n in zip(table, self.count.tolist())]
 
 
 class HFBackend(HFGenerator, ESBackend):
@@ -183,15 +194,19 @@ class HFBackend(HFGenerator, ESBackend):
         }
 
     @classmethod
-    def for_inference(cls, model: ModelConfig, center: Path | None, batch_size: int) -> HFGenerator:
+    def for_inference(
+        cls, model: ModelConfig, center: Path | None, batch_size: int, backend: BackendConfig | None = None
+    ) -> HFGenerator:
+        """One model on model.device (``backend``'s engine settings do not apply)."""
         lm, tok = load_model_and_tokenizer(model.name, model.gguf_file, model.revision, model.dtype, model.device)
         if center is not None:
             load_weights(lm, center)
         return HFGenerator(lm, tok, batch_size=batch_size)
 
     @classmethod
-    def for_policy(cls, module: Any, tokenizer: Any, batch_size: int) -> HFGenerator:
-        return HFGenerator(module, tokenizer, batch_size=batch_size)
+    def for_policy(cls, module: Any, tokenizer: Any, setup: ESSetup) -> HFGenerator:
+        """Generation from the trained module itself: nothing to load after an optimizer step."""
+        return HFGenerator(module, tokenizer, batch_size=setup.batch_size)
 
     # ---------------------------------------------------------------- weights
     @property

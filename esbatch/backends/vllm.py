@@ -14,6 +14,7 @@ a subclass, esbatch/backends/vllm_lowrank_backend.py (its worker side: esbatch/b
 from __future__ import annotations
 
 import importlib
+import itertools
 import multiprocessing
 import os
 import sys
@@ -37,10 +38,10 @@ from esbatch.backends.base import (
     SamplingParams,
     UpdateStats,
 )
-from esbatch.backends.config import ESSetup
+from esbatch.backends.config import BackendConfig, ESSetup
 from esbatch.backends.vllm_rpc import WorkerCall, check_worker
 from esbatch.backends.vllm_worker import ESWorkerExtension
-from esbatch.models import load_weights, model_path
+from esbatch.models import ModelConfig, hf_parameter_shapes, load_weights, model_path  # shapes: meta device
 from esbatch.perturb.noise import DEFAULT_NOISE
 from esbatch.perturb.update import UpdateSpec
 
@@ -115,16 +116,6 @@ def _kill_trees(pids: list[int]) -> None:
             pass
 
 
-def hf_parameter_shapes(model_dir: str, revision: str | None = None) -> dict[str, list[int]]:
-    """The HF parameter names and shapes (tied weights once), from the config alone (meta device, no weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir, revision=revision)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {n: list(p.shape) for n, p in model.named_parameters()}
-
-
 class VLLMBackend(ESBackend):
     """E vLLM engines, each holding the fp32 center in its worker; members spread over them (module docstring)."""
 
@@ -187,8 +178,13 @@ class VLLMBackend(ESBackend):
         self._start_engines(vllm, envs, options)
         self.prefix_caching = prefix_caching
         self._pool = ThreadPoolExecutor(max_workers=engines) if engines > 1 else None
-        self._rpc_all(WorkerCall.SETUP, self.hf_shapes, track_drift, noise, master, self.lowrank)
+        self._setup_workers(track_drift, noise, master)
         self.perturbed = False
+
+    def _setup_workers(self, track_drift: bool, noise: str, master: str) -> None:
+        """Each worker's weight keeper: the fp32 center on views of the engine's weights (es_setup); GRPO's
+        policy engines keep the views only (esbatch/backends/vllm_policy.py)."""
+        self._rpc_all(WorkerCall.SETUP, self.hf_shapes, track_drift, noise, master, self.lowrank)
 
     def _engine_envs(self, engines: int, on_gpu: bool, kv_cache_gb: int) -> list[dict[str, str]]:
         """The environment each engine starts in: its KV cache size, vLLM's forward-pass deadline (a minute
@@ -272,6 +268,22 @@ class VLLMBackend(ESBackend):
             "dispatch": setup.dispatch,
         }
 
+    @classmethod
+    def for_inference(
+        cls, model: ModelConfig, center: Path | None, batch_size: int, backend: BackendConfig | None = None
+    ) -> VLLMBackend:
+        """Engines for ``esbatch eval``: ``model`` on the engines ``backend`` (the eval config's section) describes,
+        every worker loading the fp32 ``center`` (HF names) if given (es_load). The workers' center sits in
+        memory on CPU and in a scratch file on GPU nodes (es.master: disk), so it takes no GPU memory; no drift,
+        no watchdog. ``batch_size`` is unused (vLLM batches itself); generate() splits prompts over the engines."""
+        master = "disk" if torch.cuda.is_available() else "device"
+        setup = ESSetup(model, backend or BackendConfig(name="vllm"), batch_size, track_drift=False, master=master)
+        path, rev = model_path(model.name, model.gguf_file, model.revision)
+        gen = cls(path, revision=rev, **{**cls.es_options(setup), "rpc_timeout_s": None})
+        if center is not None:
+            gen._rpc_all(WorkerCall.LOAD, str(center))  # each worker reads the file itself
+        return gen
+
     # ---------------------------------------------------------------- rpc plumbing
     def _rpc(self, e: int, call: WorkerCall, *args: Any) -> dict[str, Any]:
         """``call`` (an entry of the RPC table, esbatch/backends/vllm_rpc.py) on engine ``e``'s worker."""
@@ -311,8 +323,6 @@ class VLLMBackend(ESBackend):
         prompt seeds seed + index), with ``extra`` in extra_args (the low-rank member of the requests)."""
         from vllm import SamplingParams as VSampling
 
-        if sampling.entropy:
-            raise NotImplementedError("token entropy needs the full distribution; evaluate with backend hf")
         greedy = sampling.temperature == 0
         if greedy and sampling.n > 1:
             raise ValueError("greedy decoding gives one response per prompt; use n=1 or temperature > 0")
@@ -338,13 +348,78 @@ class VLLMBackend(ESBackend):
         ]
 
     def generate(
-        self, prompts: Sequence[str], sampling: SamplingParams, seed: int, engine: int = 0
+        self, prompts: Sequence[str], sampling: SamplingParams, seed: int, engine: int | None = None
     ) -> list[Generation]:
+        """On engine ``engine``, or (None) the prompts split over all engines side by side in contiguous shares;
+        each prompt's seed comes from its place in the whole call, so the responses do not depend on the number
+        of engines. ``sampling.entropy``: each response's token entropies, measured in the workers."""
         params = self._sampling(sampling, seed, len(prompts))
         ids = self.tok(list(prompts), add_special_tokens=False)["input_ids"]  # the same tokens as the HF backend
-        with watchdog.waiting_on(f"vLLM engine {engine}: generate ({len(ids)} prompts)"):
-            outs = self.engines[engine].generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
-        return self._generations(outs)
+        if engine is not None or self._pool is None:
+            return self._generate_on(engine or 0, ids, params, sampling.entropy)
+        cut = [len(ids) * e // len(self.engines) for e in range(len(self.engines) + 1)]
+        shares = [(e, a, b) for e, (a, b) in enumerate(zip(cut, cut[1:])) if b > a]
+        on = self._generate_on
+        parts = self._pool.map(lambda s: on(s[0], ids[s[1] : s[2]], params[s[1] : s[2]], sampling.entropy), shares)
+        return [g for part in parts for g in part]
+
+    def _generate_on(self, e: int, ids: list[list[int]], params: list[Any], entropy: bool) -> list[Generation]:
+        """The requests of ``ids`` (token ids of each prompt) and ``params`` (vLLM's, one per prompt) on engine
+        ``e``; ``entropy``: each sample its own tagged request, its token entropies taken from the worker."""
+        requests: list[dict[str, Any]] = [{"prompt_token_ids": p} for p in ids]
+        tags = None
+        if entropy:
+            hooked = self.__dict__.setdefault("_entropy_hooked", set())
+            if e not in hooked:  # the worker's sampler hook, once per engine (esbatch/backends/vllm_entropy.py)
+                self._rpc(e, WorkerCall.ENTROPY_BEGIN)
+                hooked.add(e)
+            requests, params, tags = self._tag_samples(requests, params)
+        with watchdog.waiting_on(f"vLLM engine {e}: generate ({len(ids)} prompts)"):
+            outs = self.engines[e].generate(requests, params, use_tqdm=False)
+        gens = self._generations(outs)
+        if tags is not None:
+            self._attach_entropy(e, gens, tags)
+        return gens
+
+    def _tag_samples(
+        self, requests: list[dict[str, Any]], params: list[Any]
+    ) -> tuple[list[dict[str, Any]], list[Any], list[str]]:
+        """Each of a prompt's n samples as its own request (n=1) with a tag of its own in extra_args, so the
+        worker keeps its entropies apart: the k-th one a copy of the prompt's params with the seed vLLM gives
+        the k-th child of an n-sample request (the prompt's seed + k, vllm/v1/engine/parallel_sampling.py), so
+        the samples are those of the untagged path."""
+        from copy import copy
+
+        from esbatch.backends.vllm_entropy import TAG
+
+        counter = self.__dict__.setdefault("_entropy_tags", itertools.count())
+        out_requests, out_params, tags = [], [], []
+        for request, p in zip(requests, params):
+            for k in range(p.n):
+                child = copy(p)  # as vLLM's ParentRequest makes its children
+                child.n = 1
+                child.seed = None if p.seed is None else p.seed + k
+                tags.append(str(next(counter)))
+                child.extra_args = {**(p.extra_args or {}), TAG: tags[-1]}
+                out_requests.append(dict(request))
+                out_params.append(child)
+        return out_requests, out_params, tags
+
+    def _attach_entropy(self, e: int, gens: list[Generation], tags: list[str]) -> None:
+        """Set each generation's token entropies (and their mean) from engine ``e``'s worker, one per token."""
+        res = self._rpc(e, WorkerCall.ENTROPY_TAKE)
+        got, ahead = res["entropy"], res["async"]
+        self.entropy_discarded = getattr(self, "entropy_discarded", 0) + res["discarded"]
+        for g, tag in zip(gens, tags, strict=True):
+            h, n = got.get(tag, []), len(g.token_ids or ())
+            # async scheduling may run one step past a request's EOS before it learns of it: a last extra entry
+            if not (len(h) == n or (ahead and len(h) == n + 1)):
+                raise RuntimeError(
+                    f"vLLM engine {e}: {len(h)} token entropies recorded for a response of {n} tokens "
+                    "(esbatch/backends/vllm_entropy.py counts one per sampled token)"
+                )
+            g.token_entropy = h[:n]
+            g.entropy = sum(g.token_entropy) / n if n else 0.0
 
     def evaluate_population(
         self,

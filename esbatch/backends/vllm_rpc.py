@@ -13,12 +13,35 @@ from __future__ import annotations
 
 import inspect
 import typing
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+import torch
+
 from esbatch.backends.base import PerturbedMember
+
+# A tensor as it crosses collective_rpc: (dtype, shape, raw bytes). vLLM 0.32 sends a torch tensor among an RPC's
+# arguments as ['float32', shape, index of a side buffer] and the EngineCore's untyped decoder drops that buffer,
+# so tensors travel as bytes, which msgpack and pickle carry whole.
+Packed = tuple[str, list[int], bytes]
+
+
+def pack(t: torch.Tensor) -> Packed:
+    """``t`` as (dtype, shape, bytes): one copy, into the RPC message."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return str(t.dtype).removeprefix("torch."), list(t.shape), memoryview(flat.numpy())
+
+
+def unpack(p: Sequence[Any]) -> torch.Tensor:
+    """The tensor of ``pack``, read-only, over the received bytes (no copy)."""
+    dtype, shape, data = p
+    with warnings.catch_warnings():  # the bytes object is immutable: the tensor is only read (copied from)
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    return raw.view(getattr(torch, dtype)).reshape(shape)
 
 
 @dataclass(frozen=True)
@@ -55,6 +78,14 @@ class WorkerCall(Enum):
     SAVE = Call("es_save", (("path", str), ("which", str)), optional=1)
     LOAD = Call("es_load", (("path", str),), moves_weights=True)
     MEMORY = Call("es_memory")
+    # token entropy of tagged requests (esbatch/backends/vllm_entropy.py): hook the sampler once, then take the
+    # per-token lists after each generate call
+    ENTROPY_BEGIN = Call("es_entropy_begin")
+    ENTROPY_TAKE = Call("es_entropy_take")
+    # GRPO rollouts (esbatch/backends/vllm_policy.py): views of the engine's weights without an ES center, and
+    # the trainer's new weights copied in by HF name, the tensors passing through the RPC itself (no file)
+    POLICY_SETUP = Call("es_policy_setup", (("hf_shapes", dict[str, list[int]]),))
+    SET_WEIGHTS = Call("es_set_weights", (("weights", dict[str, Packed]),), moves_weights=True)
 
     @property
     def method(self) -> str:

@@ -23,7 +23,7 @@ import torch
 from esbatch.backends.base import PerturbedMember
 from esbatch.backends.layout import hf_rows, hf_views
 from esbatch.backends.vllm_lowrank import EngineLowRank
-from esbatch.backends.vllm_rpc import check_worker
+from esbatch.backends.vllm_rpc import Packed, check_worker, unpack
 from esbatch.perturb import weights_for
 from esbatch.perturb.lowrank import LowRankWeights
 from esbatch.perturb.update import UpdateSpec
@@ -145,6 +145,56 @@ class ESWorkerExtension:
     @_safe
     def es_memory(self) -> dict[str, Any]:
         return self.es.memory_report()
+
+    @_safe
+    def es_entropy_begin(self) -> dict[str, Any]:
+        """Hook the sampler (once) to record the token entropies of requests tagged extra_args {TAG: key}
+        (esbatch/backends/vllm_entropy.py); independent of the weight setup (ES or GRPO engines alike)."""
+        from esbatch.backends.vllm_entropy import EngineEntropy
+
+        if getattr(self, "entropy_meter", None) is None:
+            self.entropy_meter = EngineEntropy(self.model_runner)
+        return {}
+
+    @_safe
+    def es_entropy_take(self) -> dict[str, Any]:
+        """The recorded lists, {"entropy": {key: [H per token]}, ...}, cleared; whether this engine schedules
+        ahead (async: a finished request may have sampled one step past its end)."""
+        if getattr(self, "entropy_meter", None) is None:
+            raise RuntimeError("es_entropy_take before es_entropy_begin: no request was measured")
+        ahead = bool(getattr(self.model_runner, "use_async_scheduling", False))
+        return {**self.entropy_meter.take(), "async": ahead}
+
+    @_safe
+    def es_policy_setup(self, hf_shapes: dict[str, list[int]]) -> dict[str, Any]:
+        """GRPO rollouts (esbatch/backends/vllm_policy.py): HF-named views of the engine's weights and nothing
+        else (no fp32 center, no theta_0: the trainer holds the policy); ``es_set_weights`` copies into them."""
+        params = dict(self.model_runner.model.named_parameters())
+        if empty := [n for n, p in params.items() if p.numel() == 0]:
+            raise RuntimeError(f"weights moved out of reach by vLLM (empty parameters): {empty[:3]}")
+        views = hf_views(params, {n: tuple(s) for n, s in hf_shapes.items()})
+        self.es, self.lowrank = weights_for(views, "inplace", track_drift=False), None  # live weights only
+        some = next(iter(views.values()))
+        return {"dtype": str(some.dtype).removeprefix("torch."), "device": str(some.device)}
+
+    @_safe
+    def es_set_weights(self, weights: dict[str, Packed]) -> dict[str, Any]:
+        """Copy HF-named tensors (the trainer's new weights, packed into the RPC: vllm_rpc.py:pack) into the
+        engine's weights; any subset of them (the changed ones). Only after es_policy_setup (no ES center)."""
+        if self.es.master is not None:
+            raise RuntimeError("es_set_weights on an engine holding an ES center: set it up with es_policy_setup")
+        live = self.es.live
+        weights = {n: unpack(p) for n, p in weights.items()}
+        if unknown := sorted(set(weights) - set(live)):
+            raise KeyError(f"es_set_weights: no engine weight has the HF name(s) {unknown[:5]}")
+        if bad := [n for n, t in weights.items() if t.shape != live[n].shape]:
+            raise ValueError(
+                f"es_set_weights: {bad[0]} is {tuple(weights[bad[0]].shape)}, the engine's {tuple(live[bad[0]].shape)}"
+            )
+        with torch.no_grad():
+            for name, t in weights.items():
+                live[name].copy_(t)
+        return {"tensors": len(weights), "elements": sum(t.numel() for t in weights.values())}
 
 
 check_worker(ESWorkerExtension)  # every driver call names a method here, with its arguments

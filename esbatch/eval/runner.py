@@ -130,11 +130,11 @@ def build_generator(cfg: EvalConfig, src: WeightsSource) -> Any:
 
     backend = BACKENDS.get(cfg.backend.name)
     if src.replay is None:
-        return backend.for_inference(src.model, src.center, cfg.sampling.batch_size)
+        return backend.for_inference(src.model, src.center, cfg.sampling.batch_size, cfg.backend)
     rd, t = src.replay
     tmp = rd.path / f".center-rebuilt-{t}.tmp{os.getpid()}.safetensors"  # read once by the loader, then deleted
     try:
-        return backend.for_inference(src.model, center_at(rd.path, t, tmp), cfg.sampling.batch_size)
+        return backend.for_inference(src.model, center_at(rd.path, t, tmp), cfg.sampling.batch_size, cfg.backend)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -398,8 +398,11 @@ def _evaluate(cfg: EvalConfig, ed: EvalDir, src: WeightsSource, progress: bool, 
 
             torch.set_num_threads(cfg.threads)
         gen = build_generator(cfg, src)
-        for et in cfg.task_list():
-            throughput[et.label or et.name] = run_task(cfg, et, gen, ed, progress)
+        try:
+            for et in cfg.task_list():
+                throughput[et.label or et.name] = run_task(cfg, et, gen, ed, progress)
+        finally:
+            gen.close()  # vLLM: stop the engines before the tables (they would outlive the eval's logging)
     summary = summarize(cfg, ed, src.description, rescored)
     tok = sum(t["tokens"] for t in throughput.values())
     gs = sum(t["generation_s"] for t in throughput.values())

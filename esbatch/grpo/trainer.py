@@ -2,9 +2,11 @@
 
 Per step t (every rank, data-parallel; one optimizer step, TRL's global_step): when t % mu == 0 (mu =
 ``grpo.iterations``) generate G responses to this rank's share of batch t // mu's B prompts with HF ``generate`` on
-the DeepSpeed module (in sync by construction under ZeRO 0-2), score them, take group-relative advantages over all
-ranks' rewards, and store the old (mu > 1) and reference (beta > 0) log-probs; then the clipped token-level
-surrogate (+ beta * k3 KL) in micro-batches whose losses sum to the whole batch's, and one DeepSpeed step.
+the DeepSpeed module (in sync by construction under ZeRO 0-2), or (backend.name: vllm) on this rank's vLLM engine,
+loaded with the policy's weights first (esbatch/backends/vllm_policy.py), score them, take group-relative
+advantages over all ranks' rewards, and store the old (mu > 1) and reference (beta > 0) log-probs; then the
+clipped token-level surrogate (+ beta * k3 KL) in micro-batches whose losses sum to the whole batch's, and one
+DeepSpeed step. The loss scores the generated token ids with the trainer's own forward, whatever generated them.
 Resume: the newest DeepSpeed checkpoint, plus each rank's stored batch when it lies inside one. Records carry
 ``update/rel_distance_from_theta0`` (theta_0: the base model before ``model.init_weights``, as ES) and, per
 generated batch, ``diversity``: p(x) over the G rollouts, a population of one (Section 3.1). docs/grpo-and-pipelines.md.
@@ -13,6 +15,7 @@ generated batch, ``diversity``: p(x) over the G rollouts, a population of one (S
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import os
 import socket
@@ -28,6 +31,7 @@ from torch.utils.cpp_extension import get_default_build_root
 
 from esbatch.backends import BACKENDS
 from esbatch.backends.base import SamplingParams
+from esbatch.backends.config import ESSetup
 from esbatch.grpo.config import GRPOConfig
 from esbatch.grpo.core import group_advantages, grpo_loss, token_entropy, token_logprobs
 from esbatch.metrics import diversity_metrics
@@ -138,6 +142,7 @@ class GRPOTrainer(Trainer):
         self._checksum: float | None = None
         self._batch: dict[str, Any] | None = None  # the generated batch the next steps train on
         self.theta0: dict[str, Any] | None = None  # rank 0, tracking.drift: fp32 theta_0 on CPU
+        self._stale = False  # whether the policy moved since the generator last loaded it (_sync_policy)
         self.total = 0
 
     def setup(self) -> int:
@@ -158,7 +163,15 @@ class GRPOTrainer(Trainer):
             model_parameters=[p for p in model.parameters() if p.requires_grad],
         )
         backend = BACKENDS.get(cfg.backend.name)
-        self.gen = backend.for_policy(self.engine.module, self.tok, cfg.generation.batch_size)
+        setup = ESSetup(  # backend.name: vllm starts this rank's engine on the module's weights (vllm_policy.py)
+            model=dataclasses.replace(m, dtype=dtype),
+            backend=cfg.backend,
+            batch_size=cfg.generation.batch_size,
+            track_drift=False,
+            seed=cfg.run.seed,
+            hang_timeout_s=cfg.run.hang_timeout_s,
+        )
+        self.gen = backend.for_policy(self.engine.module, self.tok, setup)  # holding the module's weights
         self.probs = load_problems(cfg, self.gen)
         self.total = cfg.total_updates(len(self.probs.train))
         return self.total
@@ -172,6 +185,7 @@ class GRPOTrainer(Trainer):
         if not (self.rd.ds_checkpoint / "latest").exists():
             return 0
         _, client = self.engine.load_checkpoint(str(self.rd.ds_checkpoint))
+        self._stale = True
         start = int(client["step"])
         self.saved_at = start if self.rd.center_t() == start else -1  # the final center may be missing
         if start % self.grpo.iterations:  # inside a generated batch: continue on the stored one
@@ -195,6 +209,7 @@ class GRPOTrainer(Trainer):
         rewards, t_gen = b["rewards"], b["t_gen"]
         t1 = time.perf_counter()
         stats = self._learn(b, first=generated)
+        self._stale = True
         t_train = time.perf_counter() - t1
         self._checksum = self._weights_checksum()
         local = [float(rewards.mean()), float(rewards.std()), *stats, self._checksum]
@@ -211,6 +226,7 @@ class GRPOTrainer(Trainer):
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "tokens/per_s": float(m[:, 6].sum()) / max(t_gen, 1e-9),  # of the generation this batch came from
             "time/generation_s": t_gen if generated else 0.0,
+            "time/weight_sync_s": b.get("t_sync", 0.0) if generated else 0.0,  # the policy into the vLLM engine
             "time/train_s": t_train,
             "flops/update": float(m[:, 7].sum()),  # App. G.2 accounting with this step's real token counts
             **{k: float(b[k]) for k in ("score/errors", "score/error_rate") if k in b},  # of the generated batch
@@ -289,6 +305,7 @@ class GRPOTrainer(Trainer):
         _, idx = batch_indices(cfg.run.seed, index, n, g.batch_size, schedule_start(n, cfg.run.data_before))
         mine = idx[self.ranks.rank :: self.ranks.world] or idx[:1]  # a short tail batch: idle ranks repeat a
         weight = 1.0 if idx[self.ranks.rank :: self.ranks.world] else 0.0  # prompt, with weight 0 in the loss
+        t_sync = self._sync_policy()
         t0 = time.perf_counter()
         gens, rewards, correct = self._sample(mine, index)
         t_gen = time.perf_counter() - t0
@@ -297,7 +314,27 @@ class GRPOTrainer(Trainer):
             errors, scored = (int(x) for x in self._gather([float(errors), float(scored)]).sum(0).tolist())
         scoring = check_scoring(cfg, self.probs, errors, scored)
         b = self._prepare(mine, gens, self._advantages(rewards), weight)
-        return {**b, "index": index, "rewards": rewards, "t_gen": t_gen, "correct": correct, "batch": idx, **scoring}
+        return {
+            **b,
+            **{"index": index, "rewards": rewards, "t_gen": t_gen, "t_sync": t_sync, "correct": correct, "batch": idx},
+            **scoring,
+        }
+
+    def _sync_policy(self) -> float:
+        """Load the policy into the generator if an optimizer step (or a checkpoint) moved it since the last
+        load; the seconds it took. A generator reading the module itself (hf) has nothing to load; a vLLM engine
+        gets every trained tensor (all of them: GRPO trains every parameter), gathered whole should ZeRO-3 ever
+        partition them (grpo.zero_stage is 0-2: every rank holds them whole, and loads its own engine)."""
+        if not self._stale:
+            return 0.0
+        import deepspeed
+
+        t0 = time.perf_counter()
+        params = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):  # a no-op at ZeRO 0-2 (whole weights)
+            self.gen.load_policy(params)
+        self._stale = False
+        return time.perf_counter() - t0
 
     def _prepare(self, mine: list[int], gens: list[Any], adv: Any, weight: float) -> dict[str, Any]:
         """The tensors the optimizer steps on one generated batch reuse, and the batch's FLOPs."""
@@ -447,10 +484,12 @@ class GRPOTrainer(Trainer):
 
     def generator(self) -> Any:  # eval.tasks: sampling from the policy as it stands
         self.engine.module.eval()
+        self._sync_policy()
         return self.gen
 
     def evaluate(self) -> dict[str, float]:
         self.engine.module.eval()
+        self._sync_policy()
         return evaluate_heldout(self.cfg, self.gen, self.probs)
 
     def postfix(self, metrics: dict[str, Any]) -> dict[str, str]:
@@ -462,3 +501,7 @@ class GRPOTrainer(Trainer):
 
     def tags(self) -> dict[str, str]:
         return self.probs.task.tracking_tags()
+
+    def close(self) -> None:
+        if hasattr(self, "gen"):  # a vLLM engine's processes stop now, not at interpreter exit
+            self.gen.close()

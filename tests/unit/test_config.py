@@ -61,7 +61,6 @@ def test_defaults_and_builtin_quickstart_are_valid():
         ({"eval": {"ks": [0, 16]}, **BASE}, "eval.ks", "positive integers"),
         ({"eval": {"samples": 0}, **BASE}, "eval.samples", "must be >= 1"),
         ({"checkpoint": {"snapshots": [0, 5]}, **BASE}, "checkpoint.snapshots", "integers >= 1"),
-        ({"eval": {"tasks": ["gsm8k"]}, "backend": {"name": "vllm"}, **BASE}, "eval.tasks", "token entropy"),
         ({"algorithm": "grpo", "grpo": {"micro_batch_size": 0, "updates": 3}}, "grpo.micro_batch_size", ">= 1"),
         ({"algorithm": "grpo", "grpo": {"micro_batch_size": 2.5, "updates": 3}}, "grpo.micro_batch_size", "int"),
         ({"algorithm": "grpo", "grpo": {"iterations": 0, "updates": 3}}, "grpo.iterations", "must be >= 1"),

@@ -1,0 +1,136 @@
+"""A GRPO step split into rollout, weight load and training, vLLM rollouts against HF rollouts; then the weight
+load alone against model size. fp32, CPU, in the vLLM environment (it has DeepSpeed too):
+
+    .venv-vllm/bin/python benchmarks/grpo_step_split.py [--models tiny smollm2] [--steps 2] [--batch 2] [--group 4]
+
+Per model (the tiny random Llama of tests/toy.py, hidden 128; SmolLM2-135M-Instruct) and backend (vllm, hf), the
+trainer is built as `esbatch train` builds it (GRPOTrainer.setup: DeepSpeed, world size 1, ZeRO 2; the generator
+from BACKENDS.get(backend.name).for_policy) on the quickstart's arithmetic task (0-shot, --batch prompts x --group
+responses, --tokens tokens, temperature 0.7). One untimed step, then --steps steps, each split as the trainer
+logs it: rollout (time/generation_s), weight load into the engine before it (time/weight_sync_s; nothing to load
+for hf, which generates from the trained module) and training (time/train_s: forward/backward and the optimizer
+step); medians. "setup" is GRPOTrainer.setup (with vllm: the engine start and first load). Last, the weight load
+alone (VLLMPolicy.load_policy of every tensor: cast, packed into the RPC, copied into the engine's views, prefix
+cache reset), median of 5, per model size. vLLM's own log goes to stdout too; the tables come last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def model_dir(name: str, tmp: str) -> str:
+    if name == "smollm2":
+        return "smollm2-135m-instruct"
+    sys.path.insert(0, str(ROOT / "tests"))
+    from toy import make_tiny_model
+
+    return str(make_tiny_model(Path(tmp) / name, hidden=128, heads=2))
+
+
+def trainer(model: str, backend: str, args: argparse.Namespace) -> Any:
+    from esbatch.config import load_config
+    from esbatch.grpo.trainer import GRPOTrainer
+    from esbatch.train.ranks import Ranks
+    from esbatch.train.rundir import RunDir
+
+    sets = {
+        "algorithm": "grpo",
+        "model.name": model,
+        "model.dtype": "float32",
+        "model.device": "cpu",
+        "run.threads": args.threads,
+        "task.heldout_size": 0,
+        "task.few_shot": 0,
+        "tracking.drift": "false",
+        "generation.max_new_tokens": args.tokens,
+        "grpo.group_size": args.group,
+        "grpo.batch_size": args.batch,
+        "grpo.updates": 100,
+        "backend.name": backend,
+        "backend.kv_cache_gb": 1,
+        "backend.max_model_len": 256,
+    }
+    cfg = load_config("quickstart", [f"{k}={v}" for k, v in sets.items()])
+    tr = GRPOTrainer(cfg, RunDir(tempfile.mkdtemp()), Ranks(), "cpu")
+    tr.setup()
+    return tr
+
+
+def split(model: str, backend: str, args: argparse.Namespace) -> dict[str, float]:
+    """Medians of one GRPO step's parts over --steps steps (after an untimed one), and the setup time."""
+    t0 = time.perf_counter()
+    tr = trainer(model, backend, args)
+    out = {"setup_s": time.perf_counter() - t0}
+    try:
+        tr.step(0)
+        parts: dict[str, list[float]] = {"rollout": [], "load": [], "train": []}
+        for t in range(1, args.steps + 1):
+            m = tr.step(t)["metrics"]
+            parts["rollout"].append(m["time/generation_s"])
+            parts["load"].append(m["time/weight_sync_s"])
+            parts["train"].append(m["time/train_s"])
+        out.update({k: statistics.median(v) for k, v in parts.items()})
+        if backend == "vllm":
+            params = list(tr.engine.module.named_parameters())
+            out["mb"] = sum(p.numel() * p.element_size() for _, p in params) / 2**20
+            times = []
+            for _ in range(5):
+                t1 = time.perf_counter()
+                tr.gen.load_policy(params)
+                times.append(time.perf_counter() - t1)
+            out["load_only"] = statistics.median(times)
+    finally:
+        tr.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
+    ap.add_argument("--steps", type=int, default=2, help="timed GRPO steps per (model, backend)")
+    ap.add_argument("--batch", type=int, default=2, help="grpo.batch_size B (prompts per step)")
+    ap.add_argument("--group", type=int, default=4, help="grpo.group_size G")
+    ap.add_argument("--tokens", type=int, default=16, help="generation.max_new_tokens")
+    ap.add_argument("--threads", type=int, default=2, help="run.threads (torch threads of the trainer)")
+    args = ap.parse_args()
+
+    import torch
+
+    from esbatch.grpo.trainer import init_distributed
+
+    init_distributed("cpu")
+    res: dict[tuple[str, str], dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            path = model_dir(name, tmp)
+            for backend in ("vllm", "hf"):
+                res[name, backend] = split(path, backend, args)
+                print(f"  {name} {backend}: {res[name, backend]}", file=sys.stderr, flush=True)
+    torch.distributed.destroy_process_group()
+
+    shape = f"B={args.batch} x G={args.group}, {args.tokens} tokens, fp32, {args.threads} threads"
+    print(f"\nGRPO step split (s, median of {args.steps} steps; {shape})")
+    print(f"{'model':<9}{'rollouts':<9}{'rollout':>9}{'load':>8}{'train':>8}{'step':>8}{'setup':>8}")
+    for (name, backend), r in res.items():
+        step = r["rollout"] + r["load"] + r["train"]
+        row = f"{name:<9}{backend:<9}{r['rollout']:>9.3f}{r['load']:>8.3f}{r['train']:>8.3f}{step:>8.3f}"
+        print(row + f"{r['setup_s']:>8.1f}")
+    print("\nweight load into the vLLM engine (all tensors, median of 5)")
+    print(f"{'model':<9}{'MB fp32':>9}{'load s':>9}{'MB/s':>8}")
+    for (name, backend), r in res.items():
+        if backend == "vllm":
+            print(f"{name:<9}{r['mb']:>9.1f}{r['load_only']:>9.4f}{r['mb'] / r['load_only']:>8.0f}")
+
+
+if __name__ == "__main__":
+    main()

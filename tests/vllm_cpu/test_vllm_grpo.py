@@ -1,0 +1,217 @@
+"""GRPO rollouts on vLLM (esbatch/backends/vllm_policy.py) against HF rollouts, on the tiny model in fp32.
+
+(a) In process: after each of several optimizer steps, the engine loaded through the RPC (no file) decodes greedily
+exactly as HF does from the trained module, with prefix caching on (reset after each load).
+
+(b) Two 2-rank `esbatch train` GRPO runs, vLLM and HF rollouts, end at the same center, bit for bit. Decoding must
+be deterministic for the two backends to draw the same tokens (they sample with different generators), so the
+runs decode with top_p = 1e-6 (argmax; greedy itself allows one response per prompt). Then the G responses of a
+group are identical and their group-relative advantages sum to zero: the policy-gradient term is exactly 0. What
+moves the policy is the KL term (beta > 0), evaluated on the rollout tokens, set going by weight decay (policy =
+reference at step 0), so the center depends on the rollouts: with the engine's loads left out (a worker whose
+es_set_weights does nothing; measured once on one rank) the last step's rollouts differ and the center ends 0.074
+away (max abs) from the HF run's. With sampling (top_p 1, G=4, lr 1e-3, 4 steps, one rank) the two backends draw
+different tokens and the centers differ by 0.008 (max abs): measured once, not tested.
+
+(c) A pipeline ES -> GRPO on vllm: the GRPO stage's engine starts on the ES stage's center.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from toy_vllm import train
+
+from esbatch.backends.base import SamplingParams
+from esbatch.backends.config import BackendConfig, ESSetup
+from esbatch.models import ModelConfig, checksum, load_model_and_tokenizer, load_weights
+
+pytestmark = pytest.mark.xdist_group("vllm-grpo")  # one worker starts the module's engine
+
+GREEDY = SamplingParams(0.0, 1.0, 12)
+ARGMAX = {"temperature": 1.0, "top_p": 1e-6, "max_new_tokens": 8, "batch_size": 16}  # what (b) and (c) decode with
+
+
+@pytest.fixture(scope="module")
+def policy(vllm_tiny):
+    """The tiny model (trained in the tests) and the vLLM policy generator built from it through the registry."""
+    from esbatch.backends import BACKENDS
+
+    model, tok = load_model_and_tokenizer(str(vllm_tiny), dtype="float32")
+    model.requires_grad_(True)  # loaded for inference; trained here as GRPO trains it
+    setup = ESSetup(
+        ModelConfig(name=str(vllm_tiny), dtype="float32"),
+        BackendConfig(name="vllm", kv_cache_gb=1, max_model_len=256),
+        batch_size=8,
+        track_drift=False,
+        seed=3,
+    )
+    gen = BACKENDS.get("vllm").for_policy(model, tok, setup)
+    yield model, tok, gen
+    gen.close()
+
+
+def token_ids(gens) -> list[list[int]]:
+    return [g.token_ids for g in gens]
+
+
+def test_greedy_rollouts_follow_the_trained_module_after_every_step(policy):
+    from esbatch.backends.hf import HFGenerator
+    from esbatch.grpo.core import token_logprobs
+
+    model, tok, gen = policy
+    hf = HFGenerator(model, tok, batch_size=8)
+    # long enough to fill several KV blocks: a prefix cache left over from older weights would show
+    questions = ["Say a digit " + "and then another one, " * 4 + str(i) for i in range(4)]
+    prompts = [gen.chat_prompt([{"role": "user", "content": q}]) for q in questions]
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    seen = []
+    for step in range(4):
+        ours, theirs = token_ids(gen.generate(prompts, GREEDY, step)), token_ids(hf.generate(prompts, GREEDY, step))
+        assert ours == theirs, step
+        assert gen.checksum() == checksum(dict(model.named_parameters()))
+        seen.append(ours)
+        # one policy-gradient step on the rollouts: up the first and third responses, down the others
+        seqs = [tok(p, add_special_tokens=False)["input_ids"] + r for p, r in zip(prompts, ours)]
+        width = max(len(x) for x in seqs)
+        ids = torch.tensor([x + [0] * (width - len(x)) for x in seqs])
+        attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in seqs])
+        resp = torch.tensor(
+            [[0] * (len(x) - len(r)) + [1] * len(r) + [0] * (width - len(x)) for x, r in zip(seqs, ours)]
+        )
+        logp = token_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:], 1.0)
+        loss = -((logp * resp[:, 1:]).sum(1) * adv).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        gen.load_policy(model.named_parameters())
+    assert len({str(s) for s in seen}) > 1  # the greedy answers moved with the training: the loads mattered
+    assert token_ids(gen.generate(prompts, GREEDY, 0)) == token_ids(hf.generate(prompts, GREEDY, 0))
+
+
+def test_a_load_moves_only_the_tensors_sent_and_the_engine_keeps_no_copy(policy):
+    model, _, gen = policy
+    name = "model.norm.weight"
+    gen.bucket_bytes = 0  # one RPC per tensor
+    with torch.no_grad():
+        model.get_parameter(name).mul_(1.5)
+    assert gen.checksum() != checksum(dict(model.named_parameters()))
+    gen.load_policy([(name, model.get_parameter(name))])  # the one tensor that changed
+    assert gen.checksum() == checksum(dict(model.named_parameters()))
+    n_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert gen.memory_report() == {"model_bytes": n_bytes, "master_bytes": 0, "theta0_bytes": 0}
+    with pytest.raises(RuntimeError, match="no engine weight has the HF name"):
+        gen.load_policy([("model.nothing.weight", torch.zeros(2))])
+    with pytest.raises(RuntimeError, match=r"model.norm.weight is \(3,\), the engine's \(128,\)"):
+        gen.load_policy([(name, torch.zeros(3))])
+
+
+def grpo_config(tmp: Path, model: Path, name: str, backend: str) -> Path:
+    """A 2-rank GRPO run (4 prompts, all in every batch) decoding by argmax, the KL term moving the policy."""
+    cfg = {
+        "algorithm": "grpo",
+        "run": {"name": name, "seed": 3, "output_dir": str(tmp / "runs"), "threads": 1, "nproc_per_node": 2},
+        "model": {"name": str(model), "dtype": "float32"},
+        "backend": {"name": backend, "kv_cache_gb": 1, "max_model_len": 256},
+        "task": {
+            "name": "toy_vllm:RecordingDigitTask",
+            "params": {"size": 4, "log": str(tmp / f"{name}.responses")},
+            "heldout_size": 0,
+            "few_shot": 1,
+        },
+        "generation": ARGMAX,
+        "grpo": {
+            "group_size": 2,
+            "batch_size": 4,
+            "learning_rate": 0.05,
+            "weight_decay": 1.0,
+            "beta": 0.5,
+            "updates": 4,
+        },
+        "eval": {"every": 0},
+        "tracking": {"experiment": "grpo"},
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def responses(path: Path) -> list[tuple[str, str]]:
+    """(question, response) of every line a RecordingDigitTask wrote, in order (its process id dropped)."""
+    return [tuple(line.split("\t")[1:]) for line in path.read_text().splitlines()]
+
+
+def test_grpo_with_vllm_rollouts_ends_where_hf_rollouts_do(tmp_path, vllm_tiny):
+    runs = {b: train(grpo_config(tmp_path, vllm_tiny, b, b)) for b in ("vllm", "hf")}
+    for rank in (0, 1):
+        ours, theirs = (responses(tmp_path / f"{b}.responses.rank{rank}") for b in ("vllm", "hf"))
+        assert ours == theirs and len(ours) == 4 * 2 * 2  # 4 steps x 2 prompts x G=2 on each rank
+        texts = [{r for _, r in ours[i : i + 4]} for i in range(0, len(ours), 4)]
+        assert texts[0] != texts[-1]  # the rollouts changed with the policy: a stale engine's would differ
+    a, b = (load_file(str(runs[k] / "center.safetensors")) for k in ("vllm", "hf"))
+    assert max(float((a[n] - b[n]).abs().max()) for n in a) == 0.0
+    logs = {k: [yaml.safe_load(x) for x in (runs[k] / "log.jsonl").read_text().splitlines()] for k in runs}
+    for k in runs:
+        assert all(r["param_checksums"][0] == r["param_checksums"][1] for r in logs[k])  # the ranks agree
+        assert (
+            logs[k][-1]["metrics"]["policy/kl"] > 0 and logs[k][-1]["param_checksums"] != logs[k][0]["param_checksums"]
+        )
+    sync = [r["metrics"]["time/weight_sync_s"] for r in logs["vllm"]]
+    assert sync[0] == 0 and all(s > 0 for s in sync[1:])  # loaded at start-up, then before each step's rollouts
+    assert all(r["metrics"]["time/weight_sync_s"] < 0.05 for r in logs["hf"])  # nothing to load: HF reads the module
+
+
+def test_a_pipeline_es_then_grpo_on_vllm(tmp_path, vllm_tiny):
+    from esbatch.backends.hf import HFGenerator
+    from esbatch.config import load_config
+    from esbatch.train.problems import load_problems
+
+    cfg = {
+        "algorithm": "pipeline",
+        "pipeline": {"stages": ["es", "grpo"], "updates": 2},
+        "run": {"name": "p", "seed": 3, "output_dir": str(tmp_path / "runs"), "threads": 1},
+        "model": {"name": str(vllm_tiny), "dtype": "float32"},
+        "backend": {"name": "vllm", "kv_cache_gb": 1, "max_model_len": 256},
+        "task": {
+            "name": "toy_vllm:RecordingDigitTask",
+            "params": {"size": 4, "log": str(tmp_path / "responses")},
+            "heldout_size": 0,
+            "few_shot": 1,
+        },
+        "generation": ARGMAX,
+        "es": {"population_size": 4, "sigma": 0.1, "alpha": 0.5, "batch_size": 4},
+        # argmax rollouts: identical within a group, no policy gradient; weight decay moves the weights (b)
+        "grpo": {"group_size": 2, "batch_size": 4, "learning_rate": 0.01, "weight_decay": 1.0},
+        "eval": {"every": 0},
+        "tracking": {"experiment": "pipe"},
+    }
+    path = tmp_path / "pipe.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rd = train(path)
+    stage1, stage2 = rd / "stage1-es", rd / "stage2-grpo"
+    assert yaml.safe_load((stage2 / "config.yaml").read_text())["model"]["init_weights"] == str(
+        stage1 / "center.safetensors"
+    )
+    assert [len(x.splitlines()) for x in ((s / "log.jsonl").read_text() for s in (stage1, stage2))] == [1, 1]
+    lines = [line.split("\t") for line in (tmp_path / "responses.rank0").read_text().splitlines()]
+    grpo_pid = lines[-1][0]
+    first = {q: r for pid, q, r in lines if pid == grpo_pid}  # the GRPO stage's only rollouts: before its step
+    assert len(first) == 4 and len(lines) == 4 * 4 + 4 * 2  # ES: 4 members x 4 prompts; GRPO: 4 prompts x G=2
+    # they are the ES center's greedy answers (and not the base model's): the engine started on that center
+    model, tok = load_model_and_tokenizer(str(vllm_tiny), dtype="float32")
+    hf = HFGenerator(model, tok, batch_size=8)
+    probs = load_problems(load_config(str(stage2 / "config.yaml")), hf)
+    prompts = dict(zip((e.question for e in probs.train), probs.train_prompts))
+    greedy = SamplingParams(0.0, 1.0, ARGMAX["max_new_tokens"])
+    base = [repr(g.text) for g in hf.generate(list(prompts.values()), greedy, 0)]
+    load_weights(model, str(stage1 / "center.safetensors"))
+    es = [repr(g.text) for g in hf.generate(list(prompts.values()), greedy, 0)]
+    assert [first[q] for q in prompts] == es != base
+    final = load_file(str(rd / "center.safetensors"))
+    es_center = load_file(str(stage1 / "center.safetensors"))
+    assert any(not torch.equal(final[n], es_center[n]) for n in final)  # the GRPO stage's step moved the weights
