@@ -133,6 +133,20 @@ def _step_seed(seed: int, t: int, rank: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"grpo/{seed}/{t}/{rank}".encode(), digest_size=4).digest(), "little")
 
 
+def drop_older_checkpoints(folder: Path, keep: str) -> list[str]:
+    """Delete every DeepSpeed checkpoint tag in ``folder`` but ``keep`` (the one `latest` names): resume reads only
+    the newest, and each tag is the weights plus AdamW's state (about 16 bytes per parameter), so keeping them all
+    filled terabytes at the paper's scale. Returns the tags deleted."""
+    import shutil
+
+    if (folder / "latest").read_text().strip() != keep:  # never delete what resume would read
+        raise RuntimeError(f"{folder}/latest does not name {keep}: older checkpoints kept")
+    gone = sorted(p.name for p in folder.glob("step*") if p.is_dir() and p.name != keep)
+    for name in gone:
+        shutil.rmtree(folder / name)
+    return gone
+
+
 class GRPOTrainer(Trainer):
     label = "GRPO"
 
@@ -473,6 +487,9 @@ class GRPOTrainer(Trainer):
         self.engine.save_checkpoint(str(self.rd.ds_checkpoint), tag=f"step{t}", client_state={"step": t})
         if t % self.grpo.iterations and self._batch is not None:  # resuming here reuses this batch
             torch.save(self._batch, self._batch_file(t))
+        dist.barrier()  # every rank's part of step t is on disk (and `latest` names it) before older steps go
+        if self.ranks.lead:
+            drop_older_checkpoints(Path(self.rd.ds_checkpoint), f"step{t}")
         if final and self.ranks.lead:  # the policy in the same format as an ES center: evaluable, hand-over-able
             self.rd.save_center(self.policy_state(), t)
 

@@ -12,15 +12,15 @@ Per run (P parameters, d = bytes per parameter of model.dtype):
     checkpoint.snapshots            one center-sized file per snapshot within the budget
     tracking.log_model              final_model/ (P * d) unless already there, plus its copy in the MLflow
                                     artifact store (P * d)
-    GRPO                            center.safetensors P * 4 at the end, and every DeepSpeed checkpoint (all are
-                                    kept): the weights P * d plus AdamW's moments 8 bytes/param plus, for d < 4,
-                                    the fp32 master 4 bytes/param (an estimate of DeepSpeed's layout)
+    GRPO                            center.safetensors P * 4 at the end, and the newest DeepSpeed checkpoint (an
+                                    older one is deleted once the next is written, so two while one is written):
+                                    the weights P * d plus AdamW's moments 8 bytes/param plus, for d < 4, the fp32
+                                    master 4 bytes/param (an estimate of DeepSpeed's layout)
     pipeline                        its stages', summed (the root's center is a hard link)
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,8 +97,8 @@ def run_disk(cfg: TrainConfig, params: int | None) -> RunDisk:
         center, dtype = params * 4, "fp32"
         out.items.append(("center.safetensors (fp32, at the end)", center))
         per_ckpt = params * (d + 8 + (4 if d < 4 else 0))
-        n = math.ceil(budget / ck.every) if budget else 1
-        out.items.append((f"ds_checkpoint/: {n} x {human(per_ckpt)} (estimate)", n * per_ckpt))
+        out.items.append((f"ds_checkpoint/: the newest, {human(per_ckpt)} (estimate)", per_ckpt))
+        out.transient = max(out.transient, per_ckpt)  # the next one written beside it
     else:
         inplace = cfg.section(ESConfig).restore == "inplace"
         center, dtype = params * (d if inplace else 4), (cfg.model.dtype if inplace else "fp32")

@@ -69,7 +69,8 @@ def test_two_rank_deepspeed_grpo_steps(tmp_path, tiny_model_dir):
         assert r["diversity"]["samples"] == 4 and len(p) == len(r["diversity"]["batch"])
         assert all(0 <= x <= 1 and (4 * x).is_integer() for x in p)
         assert r["metrics"]["diversity/p_mean"] == pytest.approx(sum(p) / len(p))
-    assert (rd / "ds_checkpoint" / "latest").exists()
+    latest = (rd / "ds_checkpoint" / "latest").read_text().strip()
+    assert sorted(d.name for d in (rd / "ds_checkpoint").glob("step*")) == [latest]  # older checkpoints deleted
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
     assert run.info.status == "FINISHED" and run.data.tags["world_size"] == "2"

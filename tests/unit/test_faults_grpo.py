@@ -396,3 +396,18 @@ def test_a_verifier_that_raises_stops_grpo_before_the_step(tiny_model_dir):
     with pytest.raises(ScoringError, match=r"raised on 3 of the 4 responses of this update, more than reward\.max_"):
         tr._rollouts(0)
     assert tr.engine.steps == 0
+
+
+def test_only_the_checkpoint_latest_names_is_kept_and_nothing_goes_when_latest_disagrees(tmp_path):
+    from esbatch.grpo.trainer import drop_older_checkpoints
+
+    for tag in ("step1", "step2", "step10"):
+        (tmp_path / tag).mkdir()
+        (tmp_path / tag / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (tmp_path / "latest").write_text("step2")
+    with pytest.raises(RuntimeError, match="does not name step10"):
+        drop_older_checkpoints(tmp_path, "step10")  # `latest` not yet at the new tag: keep everything
+    assert sorted(p.name for p in tmp_path.glob("step*")) == ["step1", "step10", "step2"]
+    (tmp_path / "latest").write_text("step10\n")
+    assert drop_older_checkpoints(tmp_path, "step10") == ["step1", "step2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step10"]
