@@ -312,9 +312,7 @@ def test_the_rq2_sweeps_reuse_rq1s_runs_and_tabulate_table4_and_figure4():
 def test_set_reaches_the_evaluation_and_threshold_phases_of_a_sweep():
     """--set evaluate.* / threshold.* shrink a sweep's phases from the command line; every other key is the runs'."""
     plain = load_sweep("rq1-cpu")
-    small = load_sweep(
-        "rq1-cpu", overrides=["evaluate.set.sampling.n=2", "evaluate.set.ks=[1, 2]", "es.sigma=0.02"]
-    )
+    small = load_sweep("rq1-cpu", overrides=["evaluate.set.sampling.n=2", "evaluate.set.ks=[1, 2]", "es.sigma=0.02"])
     assert {e.config["sampling"]["n"] for e in small.evals} == {2} != {e.config["sampling"]["n"] for e in plain.evals}
     assert {tuple(e.config["ks"]) for e in small.evals} == {(1, 2)}
     assert all(r.config.es.sigma == 0.02 for r in small.runs if r.config.algorithm == "es")
