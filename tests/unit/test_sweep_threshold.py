@@ -321,3 +321,11 @@ def test_set_reaches_the_evaluation_and_threshold_phases_of_a_sweep():
     assert fig4.threshold["tau"] == [1e-4] and len(fig4.evals) == 2 * 2  # ES, GRPO: tau 0 and 1e-4
     with pytest.raises(ConfigError, match="has no `threshold:` section"):
         load_sweep("rq1-cpu", overrides=["threshold.tau=[1.0e-4]"])
+
+
+def test_rq1_quick_plans_the_four_methods_their_evals_and_every_rq1_table():
+    sw = load_sweep("rq1-quick")
+    assert sorted(r.point["method"] for r in sw.runs) == sorted(["ES", "GRPO", "ES->GRPO", "GRPO->ES"])
+    assert len(sw.evals) == 5 and {e.config["sampling"]["n"] for e in sw.evals} == {4}  # 4 trained + base
+    kinds = {a.kind for a in sw.analyses}
+    assert kinds == {"eval_table", "eval_wins", "pareto", "passk", "curves"}
