@@ -13,7 +13,8 @@
    the center an fp32 master copy, so small updates are not rounded away), and the same with the vLLM backend
    when vllm is importable;
 4. benchmarks/backends.py: the ES overhead ratio (ES update time / time to generate the same rollouts with
-   fixed weights), split into generation / perturb+restore / update, for each backend.
+   fixed weights), split into generation / perturb+restore / update, for each backend;
+5. with vLLM: benchmarks/eval_backends.py, evaluation tokens/s on vLLM against HF at equal work (issue 30).
 Then one markdown table: quantity | measured | bound / reference | ratio | ok. Rows marked ok or FAILED are
 judged (a step that fails, noise that differs, ES memory above inference + its state + workspace); speed rows
 are "info": figures against their bound, which never fail the check. Exits 2 without CUDA, 1 when a row failed.
@@ -165,6 +166,23 @@ def overhead_rows(args: argparse.Namespace, backends: list[str], tmp: Path, time
     return rows
 
 
+def eval_rows(args: argparse.Namespace, tmp: Path, timeout: float) -> list[Row]:
+    """benchmarks/eval_backends.py: evaluation tokens/s (n samples per prompt with the token entropy, as `esbatch
+    eval` generates) on HF and on vLLM at equal work, and their ratio."""
+    out = tmp / "eval_backends.json"
+    cmd = [sys.executable, "benchmarks/eval_backends.py", "--model", args.model, "--dtype", args.dtype]
+    cmd += ["--prompts", "32", "--n", "8", "--tokens", "256", "--json", str(out)]
+    p = run(cmd, timeout)
+    print(tail(p, 12))
+    what = "eval generation, vLLM vs HF (32 prompts x 8 samples, 256 tokens, entropy on)"
+    if not out.exists():
+        return [Row(what, "not measured", status=failure(p, timeout) if p is None or p.returncode else "FAILED")]
+    r = json.loads(out.read_text())
+    best = {n: max(r[n]["tokens_per_s"]) for n in ("hf", "vllm")}
+    measured = f"vllm {best['vllm']:.0f} tok/s, hf {best['hf']:.0f} tok/s (best of rounds)"
+    return [Row(what, measured, "vllm / hf", best["vllm"] / best["hf"])]
+
+
 def identity_row(model: str) -> Row:
     what = "ES noise, CUDA vs CPU kernel, every tensor (2 philox generators x 2 seeds)"
     import torch
@@ -207,11 +225,14 @@ def main() -> int:
             for i, name in enumerate(backends):
                 rows.append(es_run_row(args, name, tmp, left() / (len(backends) - i + 1)))
             rows += overhead_rows(args, backends, tmp, left())
+            if "vllm" in backends:
+                rows += eval_rows(args, tmp, left())
         else:
             skipped = "n/a: --device cpu"
             rows.append(Row("ES noise, CUDA vs CPU kernel, every tensor", "not run", status="n/a: no CUDA"))
             rows.append(Row("3 ES updates through esbatch train", "not run", status=skipped))
             rows.append(Row("ES overhead ratio (benchmarks/backends.py)", "not run", status=skipped))
+            rows.append(Row("eval generation, vLLM vs HF (benchmarks/eval_backends.py)", "not run", status=skipped))
     ok = not any(r.failed for r in rows)
     print(f"\n## GPU check: {where}, {args.model}, {args.dtype}\n")
     print(markdown(rows))
