@@ -31,6 +31,8 @@ sys.path.insert(0, str(ROOT))
 def model_dir(name: str, tmp: str) -> str:
     if name == "smollm2":
         return "smollm2-135m-instruct"
+    if name != "tiny":  # an alias, folder or hub id (scripts/gpu_check.py passes its --model)
+        return name
     sys.path.insert(0, str(ROOT / "tests"))
     from toy import make_tiny_model
 
@@ -46,8 +48,8 @@ def trainer(model: str, backend: str, args: argparse.Namespace) -> Any:
     sets = {
         "algorithm": "grpo",
         "model.name": model,
-        "model.dtype": "float32",
-        "model.device": "cpu",
+        "model.dtype": args.dtype,
+        "model.device": args.device,
         "run.threads": args.threads,
         "task.heldout_size": 0,
         "task.few_shot": 0,
@@ -59,9 +61,10 @@ def trainer(model: str, backend: str, args: argparse.Namespace) -> Any:
         "backend.name": backend,
         "backend.kv_cache_gb": 1,
         "backend.max_model_len": 256,
+        **({"backend.gpu_memory_utilization": 0.3} if args.device == "cuda" else {}),  # DeepSpeed shares the GPU
     }
     cfg = load_config("quickstart", [f"{k}={v}" for k, v in sets.items()])
-    tr = GRPOTrainer(cfg, RunDir(tempfile.mkdtemp()), Ranks(), "cpu")
+    tr = GRPOTrainer(cfg, RunDir(tempfile.mkdtemp()), Ranks(), args.device)
     tr.setup()
     return tr
 
@@ -96,7 +99,10 @@ def split(model: str, backend: str, args: argparse.Namespace) -> dict[str, float
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
+    ap.add_argument("--models", nargs="+", default=["tiny", "smollm2"], help="tiny, smollm2, or a model alias/dir")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--json", help="also write the figures here (scripts/gpu_check.py reads them)")
     ap.add_argument("--steps", type=int, default=2, help="timed GRPO steps per (model, backend)")
     ap.add_argument("--batch", type=int, default=2, help="grpo.batch_size B (prompts per step)")
     ap.add_argument("--group", type=int, default=4, help="grpo.group_size G")
@@ -108,7 +114,7 @@ def main() -> None:
 
     from esbatch.grpo.trainer import init_distributed
 
-    init_distributed("cpu")
+    init_distributed(args.device)
     res: dict[tuple[str, str], dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
@@ -118,7 +124,11 @@ def main() -> None:
                 print(f"  {name} {backend}: {res[name, backend]}", file=sys.stderr, flush=True)
     torch.distributed.destroy_process_group()
 
-    shape = f"B={args.batch} x G={args.group}, {args.tokens} tokens, fp32, {args.threads} threads"
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps([{"model": n, "backend": b, **r} for (n, b), r in res.items()]))
+    shape = f"B={args.batch} x G={args.group}, {args.tokens} tokens, {args.dtype}, {args.threads} threads"
     print(f"\nGRPO step split (s, median of {args.steps} steps; {shape})")
     print(f"{'model':<9}{'rollouts':<9}{'rollout':>9}{'load':>8}{'train':>8}{'step':>8}{'setup':>8}")
     for (name, backend), r in res.items():

@@ -14,7 +14,8 @@
    when vllm is importable;
 4. benchmarks/backends.py: the ES overhead ratio (ES update time / time to generate the same rollouts with
    fixed weights), split into generation / perturb+restore / update, for each backend;
-5. with vLLM: benchmarks/eval_backends.py, evaluation tokens/s on vLLM against HF at equal work (issue 30).
+5. with vLLM: benchmarks/eval_backends.py, evaluation tokens/s on vLLM against HF at equal work, and
+   benchmarks/grpo_step_split.py, a GRPO step (rollout, weight load, training) with vLLM rollouts against HF's.
 Then one markdown table: quantity | measured | bound / reference | ratio | ok. Rows marked ok or FAILED are
 judged (a step that fails, noise that differs, ES memory above inference + its state + workspace); speed rows
 are "info": figures against their bound, which never fail the check. Exits 2 without CUDA, 1 when a row failed.
@@ -183,6 +184,27 @@ def eval_rows(args: argparse.Namespace, tmp: Path, timeout: float) -> list[Row]:
     return [Row(what, measured, "vllm / hf", best["vllm"] / best["hf"])]
 
 
+def grpo_rows(args: argparse.Namespace, tmp: Path, timeout: float) -> list[Row]:
+    """benchmarks/grpo_step_split.py: a GRPO step (B=8 x G=8, 256 tokens) split into rollout, weight load into the
+    engine and training, vLLM rollouts against HF's."""
+    out = tmp / "grpo_split.json"
+    cmd = [sys.executable, "benchmarks/grpo_step_split.py", "--models", args.model, "--device", "cuda"]
+    cmd += ["--dtype", args.dtype, "--batch", "8", "--group", "8", "--tokens", "256", "--json", str(out)]
+    p = run(cmd, timeout)
+    print(tail(p, 12))
+    what = "GRPO step, vLLM rollouts vs HF (B=8 x G=8, 256 tokens)"
+    if not out.exists():
+        return [Row(what, "not measured", status=failure(p, timeout) if p is None or p.returncode else "FAILED")]
+    got = {r["backend"]: r for r in json.loads(out.read_text())}
+    step = {b: r["rollout"] + r["load"] + r["train"] for b, r in got.items()}
+    v = got["vllm"]
+    measured = (
+        f"vllm: rollout {v['rollout']:.2f} + load {v['load']:.2f} + train {v['train']:.2f} s; "
+        f"hf: rollout {got['hf']['rollout']:.2f} + train {got['hf']['train']:.2f} s"
+    )
+    return [Row(what, measured, "hf step / vllm step", step["hf"] / step["vllm"])]
+
+
 def identity_row(model: str) -> Row:
     what = "ES noise, CUDA vs CPU kernel, every tensor (2 philox generators x 2 seeds)"
     import torch
@@ -226,13 +248,15 @@ def main() -> int:
                 rows.append(es_run_row(args, name, tmp, left() / (len(backends) - i + 1)))
             rows += overhead_rows(args, backends, tmp, left())
             if "vllm" in backends:
-                rows += eval_rows(args, tmp, left())
+                rows += eval_rows(args, tmp, left() / 2)
+                rows += grpo_rows(args, tmp, left())
         else:
             skipped = "n/a: --device cpu"
             rows.append(Row("ES noise, CUDA vs CPU kernel, every tensor", "not run", status="n/a: no CUDA"))
             rows.append(Row("3 ES updates through esbatch train", "not run", status=skipped))
             rows.append(Row("ES overhead ratio (benchmarks/backends.py)", "not run", status=skipped))
             rows.append(Row("eval generation, vLLM vs HF (benchmarks/eval_backends.py)", "not run", status=skipped))
+            rows.append(Row("GRPO step, vLLM vs HF (benchmarks/grpo_step_split.py)", "not run", status=skipped))
     ok = not any(r.failed for r in rows)
     print(f"\n## GPU check: {where}, {args.model}, {args.dtype}\n")
     print(markdown(rows))

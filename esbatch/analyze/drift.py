@@ -282,50 +282,19 @@ def resolve_run(path: str | Path) -> RunWeights:
     return RunWeights(rd, label, cfg.algorithm, cfg.model, t, rd.read_meta())
 
 
-def analyze_run(
-    run: RunWeights,
-    *,
-    taus: list[float] | tuple[float, ...] = DEFAULT_TAUS,
-    top_k: int = 100,
-    edges: list[float] | None = None,
-    base_dtype: str | None = None,
-    as_dtype: str | None = None,
-) -> DriftStats:
-    m = run.model
-    base = SafetensorsReader(weight_files(m.name, m.gguf_file, m.revision))
+def analyze_run(run: RunWeights, **kw: Any) -> DriftStats:
+    """Drift of the run's newest center from its base model (``kw``: drift_stats's taus, top_k, edges,
+    base_dtype, as_dtype)."""
     with newest_center(run.rd, run.algorithm) as (path, _):
-        try:
-            st = drift_stats(
-                SafetensorsReader([path]),
-                base,
-                label=run.label,
-                base_dtype=base_dtype or run.base_dtype,
-                taus=taus,
-                top_k=top_k,
-                edges=edges,
-                as_dtype=as_dtype,
-            )
-        except KeyError as e:
-            raise RunFolderError(f"{path} against base model {m.name}: {e.args[0]}") from None
+        st = _against_base(SafetensorsReader([path]), run.model, run.label, str(path), **kw)
     st.algorithm, st.t = run.algorithm, run.t
     return st
 
 
-def analyze_model(
-    name: str,
-    base_model: Any,
-    *,
-    taus: list[float] | tuple[float, ...] = DEFAULT_TAUS,
-    top_k: int = 100,
-    edges: list[float] | None = None,
-    base_dtype: str | None = None,
-    as_dtype: str | None = None,
-) -> DriftStats:
+def analyze_model(name: str, base_model: Any, **kw: Any) -> DriftStats:
     """Drift of a model that is not a run here (a released checkpoint: alias, hub id, ``hf://`` folder or local
     folder) from ``base_model`` (the runs' config model section): the reference of a Table 4 whose GRPO side was
     trained elsewhere (the Hard setting's released SofT-GRPO checkpoint)."""
-    m = base_model
-    base = SafetensorsReader(weight_files(m.name, m.gguf_file, m.revision))
     try:
         center = SafetensorsReader(weight_files(name))
     except ModelNotFoundError as e:
@@ -333,13 +302,19 @@ def analyze_model(
             f"reference {name}: neither a run folder (no {RunDir.CONFIG}) nor a model whose weights can be read: "
             f"{str(e).removeprefix('model.name: ')}"
         ) from None
-    kw = dict(taus=taus, top_k=top_k, edges=edges, as_dtype=as_dtype)
-    try:
-        st = drift_stats(center, base, label=name, base_dtype=base_dtype or m.dtype, **kw)
-    except KeyError as e:
-        raise RunFolderError(f"model {name} against base model {m.name}: {e.args[0]}") from None
+    st = _against_base(center, base_model, name, f"model {name}", **kw)
     st.algorithm = "reference model"
     return st
+
+
+def _against_base(center: Tensors, m: Any, label: str, what: str, base_dtype: str | None = None, **kw: Any) -> Any:
+    """drift_stats of ``center`` against the weights of model section ``m`` (theta_0 in its dtype by default);
+    a tensor that does not match names ``what``."""
+    base = SafetensorsReader(weight_files(m.name, m.gguf_file, m.revision))
+    try:
+        return drift_stats(center, base, label=label, base_dtype=base_dtype or m.dtype, **kw)
+    except KeyError as e:
+        raise RunFolderError(f"{what} against base model {m.name}: {e.args[0]}") from None
 
 
 def reference_stats(reference: str | Path, base_model: Any, **kw: Any) -> tuple[RunWeights | None, DriftStats]:

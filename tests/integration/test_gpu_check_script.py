@@ -28,11 +28,11 @@ def test_gpu_check_on_cpu_prints_one_table_and_exits_2_without_cuda(tiny_model_d
     table = [line for line in final.splitlines() if line.startswith("|")]
     assert table[0] == "| quantity | measured | bound / reference | ratio | ok |"
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
-    assert len(rows) == 13 and all(len(r) == 5 for r in rows)
+    assert len(rows) == 14 and all(len(r) == 5 for r in rows)
     status = {r[0].split(" (")[0].split(",")[0]: r[4] for r in rows}
     assert status["ES noise"] == "n/a: no CUDA"
     assert status["perturb"] == status["update"] == "info"
     assert status["peak memory"].startswith("n/a: cpu")
-    assert status["eval generation"] == "n/a: --device cpu"
+    assert status["eval generation"] == status["GRPO step"] == "n/a: --device cpu"
     assert "gpu check passed" in p.stdout
     assert run_check("--model", str(tiny_model_dir)).returncode == 2  # default --device cuda, no GPU here
