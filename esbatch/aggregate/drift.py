@@ -20,13 +20,13 @@ from esbatch.launch.state import SweepDir
 
 
 def write_drift(runs: Sequence[RunResult], a: Any, out_dir: Path, sweep_dir: Path) -> Section:
-    """Table 4 per panel (model): one row per finished run, the reference's row first."""
+    """Table 4 per panel (model): one row per finished run of ``runs`` (the analysis's ``select`` already applied,
+    esbatch/aggregate/report.py), the reference's row first."""
     sd = SweepDir(sweep_dir)
     kw = {"taus": a.taus or DEFAULT_TAUS, "top_k": a.top_k, "as_dtype": a.as_dtype}
-    selected = [r for r in runs if all(r.params.get(k) in v for k, v in a.select.items())]
     methods = {r.params.get("method") for r in runs}
     panels: dict[Any, list[RunResult]] = {}
-    for r in selected:
+    for r in runs:
         panels.setdefault(r.params.get(a.panels) if a.panels else None, []).append(r)
     parts, csv_rows, notes = [], [], []
     header: list[str] = []

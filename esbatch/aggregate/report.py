@@ -702,7 +702,7 @@ def write_report(
         elif isinstance(a, FinalAnalysis):
             sections.append(write_final(runs, a, out_dir))
         elif isinstance(a, DriftAnalysis):
-            sections.append(write_drift(runs, a, out_dir, sweep_dir))
+            sections.append(write_drift(_selected(runs, a), a, out_dir, sweep_dir))
         else:
             raise TypeError(f"not an analysis: {a!r}")
     index = out_dir / INDEX_FILE

@@ -369,6 +369,7 @@ def test_the_sweep_drift_analysis_tabulates_each_panel_against_its_reference(tmp
     """aggregate kind `drift` (Table 4 in a sweep's results): the reference method's run first, the ratio of each
     run to it, unfinished runs named; a model as reference gets its own first row."""
     from esbatch.aggregate.drift import write_drift
+    from esbatch.aggregate.report import _selected
     from esbatch.aggregate.results import RunResult
     from esbatch.config.aggregate import parse_specs
     from esbatch.launch.state import SweepDir
@@ -402,6 +403,6 @@ def test_the_sweep_drift_analysis_tabulates_each_panel_against_its_reference(tmp
     save_file(half, str(released / "model.safetensors"))
     (released / "config.json").write_text("{}")
     (b,) = parse_specs([{"kind": "drift", "name": "t4m", "reference": str(released), "select": {"method": ["ES"]}}])
-    write_drift(runs, b, out, sd.path)
+    write_drift(_selected(runs, b), b, out, sd.path)  # as write_report calls it: the runs its select keeps
     rows = list(csv.DictReader((out / "t4m.csv").open()))
     assert [r["run"] for r in rows] == [str(released), "ES"] and float(rows[1]["ratio_to_reference"]) == 2.0
