@@ -180,6 +180,8 @@ class VLLMBackend(ESBackend):
         self._pool = ThreadPoolExecutor(max_workers=engines) if engines > 1 else None
         self._setup_workers(track_drift, noise, master)
         self.perturbed = False
+        self._entropy_hooked: set[int] = set()  # engines whose sampler records token entropies (ENTROPY_BEGIN)
+        self._entropy_tags = itertools.count()  # each measured sample's tag
 
     def _setup_workers(self, track_drift: bool, noise: str, master: str) -> None:
         """Each worker's weight keeper: the fp32 center on views of the engine's weights (es_setup); GRPO's
@@ -369,10 +371,9 @@ class VLLMBackend(ESBackend):
         requests: list[dict[str, Any]] = [{"prompt_token_ids": p} for p in ids]
         tags = None
         if entropy:
-            hooked = self.__dict__.setdefault("_entropy_hooked", set())
-            if e not in hooked:  # the worker's sampler hook, once per engine (esbatch/backends/vllm_entropy.py)
+            if e not in self._entropy_hooked:  # the worker's sampler hook, once per engine (vllm_entropy.py)
                 self._rpc(e, WorkerCall.ENTROPY_BEGIN)
-                hooked.add(e)
+                self._entropy_hooked.add(e)
             requests, params, tags = self._tag_samples(requests, params)
         with watchdog.waiting_on(f"vLLM engine {e}: generate ({len(ids)} prompts)"):
             outs = self.engines[e].generate(requests, params, use_tqdm=False)
@@ -392,14 +393,13 @@ class VLLMBackend(ESBackend):
 
         from esbatch.backends.vllm_entropy import TAG
 
-        counter = self.__dict__.setdefault("_entropy_tags", itertools.count())
         out_requests, out_params, tags = [], [], []
         for request, p in zip(requests, params):
             for k in range(p.n):
                 child = copy(p)  # as vLLM's ParentRequest makes its children
                 child.n = 1
                 child.seed = None if p.seed is None else p.seed + k
-                tags.append(str(next(counter)))
+                tags.append(str(next(self._entropy_tags)))
                 child.extra_args = {**(p.extra_args or {}), TAG: tags[-1]}
                 out_requests.append(dict(request))
                 out_params.append(child)
