@@ -296,11 +296,18 @@ def analyze_model(name: str, base_model: Any, **kw: Any) -> DriftStats:
     folder) from ``base_model`` (the runs' config model section): the reference of a Table 4 whose GRPO side was
     trained elsewhere (the Hard setting's released SofT-GRPO checkpoint)."""
     try:
-        center = SafetensorsReader(weight_files(name))
+        files = weight_files(name)
     except ModelNotFoundError as e:
         raise RunFolderError(
             f"reference {name}: neither a run folder (no {RunDir.CONFIG}) nor a model whose weights can be read: "
             f"{str(e).removeprefix('model.name: ')}"
+        ) from None
+    try:
+        center = SafetensorsReader(files)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a damaged header
+        raise RunFolderError(
+            f"reference {name}: its weights cannot be read ({', '.join(map(str, files))}: {e}); copy or download "
+            "the model again"
         ) from None
     st = _against_base(center, base_model, name, f"model {name}", **kw)
     st.algorithm = "reference model"

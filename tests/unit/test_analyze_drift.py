@@ -363,6 +363,10 @@ def test_a_model_folder_is_a_reference_as_a_run_is(tmp_path, capsys):
     assert main(["analyze", "drift", str(rd.path), "--reference", str(tmp_path / "nothing"), "--no-mlflow"]) == 2
     err = capsys.readouterr().err
     assert f"reference {tmp_path / 'nothing'}: neither a run folder" in err, err
+    (released / "model.safetensors").write_bytes(b"x" * 7)  # a damaged file: named, no traceback
+    assert main(["analyze", "drift", str(rd.path), "--reference", str(released), "--no-mlflow"]) == 2
+    err = capsys.readouterr().err
+    assert f"reference {released}: its weights cannot be read" in err and "Traceback" not in err, err
 
 
 def test_the_sweep_drift_analysis_tabulates_each_panel_against_its_reference(tmp_path):
