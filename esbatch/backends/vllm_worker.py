@@ -23,8 +23,9 @@ import torch
 from esbatch.backends.base import PerturbedMember
 from esbatch.backends.layout import hf_rows, hf_views
 from esbatch.backends.vllm_lowrank import EngineLowRank
-from esbatch.backends.vllm_rpc import Packed, check_worker, unpack
+from esbatch.backends.vllm_rpc import Packed, check_worker, pack, unpack
 from esbatch.perturb import weights_for
+from esbatch.perturb.inplace import coordinate_sample
 from esbatch.perturb.lowrank import LowRankWeights
 from esbatch.perturb.update import UpdateSpec
 
@@ -71,8 +72,10 @@ class ESWorkerExtension:
         noise: str,
         master: str = "device",
         lowrank: dict[str, Any] | None = None,
+        restore: str = "exact",
     ) -> dict[str, Any]:
-        """``lowrank``: {"rank": r, "vectors": ...} for es.perturbation: lowrank (esbatch/backends/vllm_lowrank.py)."""
+        """``lowrank``: {"rank": r, "vectors": ...} for es.perturbation: lowrank (esbatch/backends/vllm_lowrank.py);
+        ``restore``: es.restore (inplace: the engine's weights are moved in place, each engine its own round-off)."""
 
         params = dict(self.model_runner.model.named_parameters())
         empty = [n for n, p in params.items() if p.numel() == 0]
@@ -83,7 +86,7 @@ class ESWorkerExtension:
         self.lowrank = None
         if lowrank is None:
             # es.noise: eps drawn on the engine's device; es.master: the fp32 center there, in host memory or on disk
-            self.es = weights_for(views, "exact", track_drift, noise, master)
+            self.es = weights_for(views, restore, track_drift, noise, master)
         else:
             self.es = LowRankWeights(views, track_drift, noise, lowrank["rank"], lowrank["vectors"])
             self.lowrank = EngineLowRank(self.model_runner, self.es, hf_rows(params, shapes))
@@ -124,15 +127,31 @@ class ESWorkerExtension:
         return {"checksum": self.es.checksum()}
 
     @_safe
+    def es_cycles(self, members: list[tuple[int, float]]) -> dict[str, Any]:
+        """Perturb and restore each (seed, scale) in turn, generating nothing (replay of es.restore: inplace)."""
+        for seed, scale in members:
+            self.es.perturb(int(seed), float(scale))
+            self.es.restore()
+        return {}
+
+    @_safe
+    def es_sample(self, per_tensor: int) -> dict[str, Any]:
+        """The weights at the coordinates every engine samples (esbatch/perturb/inplace.py:coordinate_sample)."""
+        dtype, shape, data = pack(coordinate_sample(self.es.live, per_tensor))
+        return {"sample": (dtype, shape, bytes(data))}
+
+    @_safe
     def es_save(self, path: str, which: str = "center") -> dict[str, Any]:
-        """Write the fp32 center (or the live weights, as fp32) with HF names to a safetensors file."""
+        """Write the center (fp32; es.restore: inplace: the compute-dtype weights) or the live weights as fp32, with
+        HF names, to a safetensors file."""
         from safetensors.torch import save_file
 
         if which == "center":
             src = self.es.master if self.es.master is not None else self.es.state_dict()
         else:
             src = self.es.live
-        save_file({n: t.detach().to("cpu", torch.float32).contiguous() for n, t in src.items()}, path)
+        dtype = None if which == "center" and self.es.master is None else torch.float32  # inplace: compute dtype
+        save_file({n: t.detach().to("cpu", dtype or t.dtype).contiguous() for n, t in src.items()}, path)
         return {}
 
     @_safe

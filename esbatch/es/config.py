@@ -69,8 +69,9 @@ class ESConfig:
         "the center back bit for bit, the update is accumulated in fp32. inplace: the paper's implementation (App. "
         "G.1): add sigma*eps to the weights in place in the compute dtype (model.dtype), subtract the same "
         "sigma*eps to restore, and add the update in the compute dtype too; no master copy, and the round-off of "
-        "every perturb/restore cycle stays in the weights (resume replays the cycles). inplace needs backend.name: "
-        "hf in one process (run.nproc_per_node: 1).",
+        "every perturb/restore cycle stays in the weights (resume replays the cycles). With several vLLM engines or "
+        "ranks each keeps its own round-off, as in the paper; how far they differ is logged as replicas/* every "
+        "update, and the run's center is replica 0's.",
         choices=("exact", "inplace"),
     )
     master: str = setting(
@@ -141,21 +142,10 @@ class ESConfig:
 
 
 def restore_errors(cfg: TrainConfig, errors: list[str]) -> None:
-    """es.restore: inplace only where every weight change happens in one process (see its help)."""
+    """es.restore: inplace keeps no fp32 center: nothing that needs one goes with it (see its help)."""
     es = cfg.section(ESConfig)
     if es.restore != "inplace":
         return
-    if cfg.backend.name != "hf":
-        errors.append(
-            f"es.restore: inplace runs on backend.name: hf only (got {cfg.backend.name}): the {cfg.backend.name} "
-            "engines keep an fp32 center. Use backend.name: hf, or es.restore: exact"
-        )
-    if cfg.run.nproc_per_node > 1:
-        errors.append(
-            f"es.restore: inplace needs one process (got run.nproc_per_node: {cfg.run.nproc_per_node}): each rank "
-            "would carry the round-off of only the members it evaluated, and the ranks' centers would drift apart. "
-            "Use run.nproc_per_node: 1, or es.restore: exact"
-        )
     if es.master != "device":
         errors.append(
             f"es.master: {es.master} cannot go with es.restore: inplace: inplace keeps no fp32 center to move "

@@ -6,7 +6,9 @@ Every update t is logged as its direction seeds s_j and weights w_j (esbatch/es/
 
 is recomputed with the trainer's own arithmetic (the backend's ``update``), bit for bit: a resumed run replays
 the updates after its newest checkpoint, ``esbatch center RUN --at T`` and every reader of an ES run without a
-center file (checkpoint.center: final | none) replay from theta_0 on the CPU.
+center file (checkpoint.center: final | none) replay from theta_0 on the CPU. An es.restore: inplace run with
+several replicas (engines x ranks) has as many centers; the one it saves and exports, and the one rebuilt here,
+is replica 0's (the lead rank's first engine: our choice, the paper does not say which engine it saved).
 """
 
 from __future__ import annotations
@@ -21,24 +23,38 @@ from esbatch.train.config import TrainConfig
 from esbatch.train.rundir import RunDir, RunFolderError
 
 
-def replay(backend: ESBackend, records: list[dict[str, Any]]) -> None:
+def replay(backend: ESBackend, records: list[dict[str, Any]], first_replica: int = 0) -> None:
     """Re-apply logged updates to the center: same seeds, same weights, same arithmetic -> same bits.
 
-    In-place backends (es.restore: inplace) first redo the update's perturb/restore cycles, member by member in
-    the order es_step evaluated them (one process: the logged order), since their round-off is part of the center.
+    In-place backends (es.restore: inplace) first redo the update's perturb/restore cycles, since their round-off
+    is part of the center: each of the backend's replicas (engines) those of the replica of the run it stands for,
+    ``first_replica`` + k (a rank's engines follow the ranks before it), members in the order it evaluated them.
     """
     cycles = backend.restore_mode == "inplace"
     for r in records:
         if cycles:
-            if "sigma" not in r:
-                raise ValueError(
-                    f"log.jsonl: update {r.get('t')} records no sigma, which replaying es.restore: inplace needs "
-                    "(each member's scale is sign * sigma); this log was not written by an inplace run"
-                )
-            for seed, sign in zip(r["seeds"], r["signs"]):
-                backend.perturb(seed, sign * r["sigma"])
-                backend.restore()
+            backend.cycles(member_cycles(r, first_replica, backend.replicas))
         backend.update(UpdateSpec.from_record(r))
+
+
+def member_cycles(record: dict[str, Any], first: int, count: int) -> list[list[tuple[int, float]]]:
+    """(seed, scale) of each member replicas ``first`` .. ``first + count - 1`` of an update perturbed and restored,
+    in order (the record's ``replicas``; a log written before they were recorded: one replica, member order)."""
+    t = record.get("t")
+    if "sigma" not in record:
+        raise ValueError(
+            f"log.jsonl: update {t} records no sigma, which replaying es.restore: inplace needs (each member's "
+            "scale is sign * sigma); this log was not written by an inplace run"
+        )
+    orders = record.get("replicas") or [list(range(len(record["seeds"])))]
+    if first + count > len(orders):
+        raise ValueError(
+            f"log.jsonl: update {t} records the members of {len(orders)} replica(s) (engines x ranks), and replaying "
+            f"replicas {first}..{first + count - 1} needs more: resume an es.restore: inplace run with the engines "
+            "and ranks it ran with (backend.engines, run.nproc_per_node, run.nodes)"
+        )
+    seeds, signs, sigma = record["seeds"], record["signs"], record["sigma"]
+    return [[(seeds[i], signs[i] * sigma) for i in orders[k]] for k in range(first, first + count)]
 
 
 def rebuild_center(cfg: TrainConfig, rd: RunDir, t: int) -> dict[str, Any]:

@@ -9,6 +9,9 @@ checkpoint and replays the logged updates after it (no generation), so a killed 
 with checkpoint.center: final or none there is no center file and resume replays every update from theta_0.
 With es.restore: inplace the weights also carry every perturb/restore round-off, so replay redoes each
 update's perturb/restore cycles (members in logged order, their seeds and signed scales) before the update.
+Several replicas (vLLM engines, ranks) each keep their own round-off, as the paper's engines did: the record
+logs each replica's members in order, the step logs how far the replicas' weights differ (replicas/*), and
+resume replays every replica from theta_0 (the center checkpoint holds replica 0's).
 
 Diagnostic updates (``es.diversity``, paper Section 3.1) also record each member's success share p_i(x) on each
 prompt: after the population is scored, a second pass regenerates m - 1 more responses per member and prompt
@@ -28,6 +31,7 @@ from esbatch.es.config import ESConfig, backend_setup
 from esbatch.es.core import Member, direction_weights, draw_population, normalize
 from esbatch.es.replay import replay
 from esbatch.metrics import diversity_metrics
+from esbatch.perturb.inplace import divergence as replica_divergence
 from esbatch.perturb.update import UpdateSpec
 from esbatch.tasks import Verdict
 from esbatch.train.config import TrainConfig
@@ -57,23 +61,27 @@ def es_step(cfg: TrainConfig, backend: ESBackend, probs: Problems, t: int, ranks
     scaled = [PerturbedMember(m.seed, m.sign * es.sigma, m.gen_seed) for m in members]
     if es.dispatch == "dynamic" and ranks.world > 1:  # the ranks take members from a shared counter
         pop = backend.evaluate_population(scaled, prompts, sampling, claim=ranks.claimer(len(members), f"es/{t}"))
-        mine = pop.members
+        index = list(range(len(members)))  # the claim hands out indices into members
     else:
-        static = ranks.mine(len(members))
-        pop = backend.evaluate_population([scaled[i] for i in static], prompts, sampling)
-        mine = [static[k] for k in pop.members]
+        index = ranks.mine(len(members))
+        pop = backend.evaluate_population([scaled[i] for i in index], prompts, sampling)
+    mine = [index[k] for k in pop.members]
+    # replica (this rank's engines follow the ranks before it) and place in its order of each member evaluated here
+    replicas = pop.replicas or [pop.members]  # a backend that does not say: one replica, in member order
+    first = ranks.rank * backend.replicas
+    where = {index[k]: (first + e, pos) for e, ks in enumerate(replicas) for pos, k in enumerate(ks)}
     local, verdicts = {}, {}
     for i, gens in zip(mine, pop.generations):
         before = probs.errors.count
         verdicts[i] = [probs.task.score(g.text, probs.train[j]) for g, j in zip(gens, idx)]
         scores = [reward_of(v, cfg) for v in verdicts[i]]
-        local[i] = (sum(scores) / len(scores), sum(g.n_tokens for g in gens), probs.errors.count - before)
+        local[i] = (sum(scores) / len(scores), sum(g.n_tokens for g in gens), probs.errors.count - before, *where[i])
     t0 = time.perf_counter()
-    gathered = ranks.gather(len(members), local, width=3)
+    gathered = ranks.gather(len(members), local, width=5)
     t_wait = time.perf_counter() - t0  # this rank waiting for the others to finish their members
-    rewards = [r for r, _, _ in gathered]
-    n_tokens = int(sum(k for _, k, _ in gathered))
-    scoring = check_scoring(cfg, probs, int(sum(e for _, _, e in gathered)), len(members) * len(idx))  # every rank
+    rewards = [row[0] for row in gathered]
+    n_tokens = int(sum(row[1] for row in gathered))
+    scoring = check_scoring(cfg, probs, int(sum(row[2] for row in gathered)), len(members) * len(idx))  # every rank
     z = normalize(rewards, es.normalization, es.eps_num)
     diversity = None
     if es.diversity.every and t % es.diversity.every == 0:  # before the update: p_i(x) of this population
@@ -83,6 +91,10 @@ def es_step(cfg: TrainConfig, backend: ESBackend, probs: Problems, t: int, ranks
     t0 = time.perf_counter()
     stats = backend.update(spec)
     t_upd = time.perf_counter() - t0
+    n_replicas = ranks.world * backend.replicas
+    inplace = es.restore == "inplace"
+    if inplace and n_replicas > 1:  # each replica its own round-off: how far apart they are now
+        divergence = replica_divergence(ranks.gather_tensors(backend.replica_samples()))
     metrics = {
         **_reward_metrics(rewards),
         "update/l2": stats.update_l2,
@@ -99,6 +111,7 @@ def es_step(cfg: TrainConfig, backend: ESBackend, probs: Problems, t: int, ranks
         "epoch": epoch,
         **scoring,
         **_flops(backend, prompts, n_tokens, es.population_size),
+        **(divergence if inplace and n_replicas > 1 else {}),
     }
     record = {
         "t": t,
@@ -112,6 +125,8 @@ def es_step(cfg: TrainConfig, backend: ESBackend, probs: Problems, t: int, ranks
         **spec.to_dict(),
         "metrics": metrics,
     }
+    if inplace:  # each replica's members in the order it perturbed and restored them (replay redoes them)
+        record["replicas"] = replica_orders(gathered, n_replicas)
     if diversity is not None:
         p, first, extra_s, extra_tokens = diversity
         m = es.diversity.samples
@@ -175,6 +190,14 @@ def population_success(
     return p, first, time.perf_counter() - t0, int(sum(row[-1] for row in rows))
 
 
+def replica_orders(rows: list[list[float]], n_replicas: int) -> list[list[int]]:
+    """From each member's gathered row (..., replica, place in its order): each replica's members in order."""
+    orders: list[list[tuple[int, int]]] = [[] for _ in range(n_replicas)]
+    for i, row in enumerate(rows):
+        orders[int(row[-2])].append((int(row[-1]), i))
+    return [[i for _, i in sorted(o)] for o in orders]
+
+
 def _reward_metrics(rewards: list[float]) -> dict[str, float]:
     n, mean = len(rewards), sum(rewards) / len(rewards)
     return {
@@ -194,14 +217,6 @@ def _flops(backend: ESBackend, prompts: list[str], gen_tokens: int, n: int) -> d
     return {"flops/update": es_flops(params, n, len(prompts), prompt_len, gen_len)["total"]}
 
 
-def inplace_ranks_error(world: int) -> str:
-    return (
-        f"es.restore: inplace cannot run over {world} processes: every rank would carry the round-off of only the "
-        "members it evaluated, so the ranks' centers would drift apart (the rank checksum would stop the run). Use "
-        "one process (run.nproc_per_node: 1, nodes: 1, ntasks_per_node: 1) or es.restore: exact."
-    )
-
-
 class ESTrainer(Trainer):
     label = "ES"
 
@@ -209,8 +224,6 @@ class ESTrainer(Trainer):
         self.cfg, self.rd, self.ranks = cfg, rd, ranks
 
     def setup(self) -> int:
-        if self.cfg.section(ESConfig).restore == "inplace" and self.ranks.world > 1:
-            raise ValueError(inplace_ranks_error(self.ranks.world))
         self.backend = BACKENDS.get(self.cfg.backend.name).for_es(backend_setup(self.cfg))
         self.probs = load_problems(self.cfg, self.backend)
         return self.cfg.total_updates(len(self.probs.train))
@@ -219,7 +232,18 @@ class ESTrainer(Trainer):
     def n_train(self) -> int:
         return len(self.probs.train)
 
+    @property
+    def replicas_differ(self) -> bool:
+        """es.restore: inplace over several replicas (engines x ranks): each has its own center."""
+        return self.cfg.section(ESConfig).restore == "inplace" and self.ranks.world * self.backend.replicas > 1
+
     def restore(self, records: list[dict[str, Any]]) -> int:
+        """The center checkpoint plus the updates after it; replicas that differ all replay from theta_0 (the
+        checkpoint holds replica 0 only), each its own cycles."""
+        if self.replicas_differ:
+            self.saved_at = self.rd.center_t() or 0
+            replay(self.backend, records, self.ranks.rank * self.backend.replicas)
+            return len(records)
         ckpt = self.rd.load_center()
         self.saved_at = 0
         if ckpt is not None:
@@ -252,7 +276,7 @@ class ESTrainer(Trainer):
         return self.backend.center_state_dict()
 
     def checksum(self) -> float | None:
-        return self.backend.checksum()
+        return None if self.replicas_differ else self.backend.checksum()  # differing replicas: es_step measures
 
     def postfix(self, metrics: dict[str, Any]) -> dict[str, str]:
         return {"reward": f"{metrics['reward/mean']:.3f}", "s/upd": f"{metrics['time/total_s']:.1f}"}

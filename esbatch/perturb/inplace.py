@@ -16,11 +16,16 @@ therefore replays each logged update's cycles before its update (esbatch/es/trai
 
 There is no fp32 master (it saves 4 bytes/param); theta_0 is still kept in fp32 when drift is tracked. The
 exact alternative, and the default, is esbatch/perturb/centered.py.
+
+Several replicas (vLLM engines, ranks) each evaluate their own members, so each keeps its own round-off and
+their weights drift apart, as in the paper's eight engines. ``coordinate_sample`` and ``divergence`` measure
+that after every update: every replica reads the same pseudo-random coordinates, and the values are compared.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -108,3 +113,38 @@ class InplaceWeights:
         model_bytes = sum(p.numel() * p.element_size() for p in self.live.values())
         theta0_bytes = sum(t.numel() * 4 for t in self.theta0.values()) if self.theta0 is not None else 0
         return {"model_bytes": model_bytes, "master_bytes": 0, "theta0_bytes": theta0_bytes}
+
+
+SAMPLE_PER_TENSOR = 4096  # coordinates per tensor that replicas compare (every one of a smaller tensor)
+
+
+def coordinate_sample(live: Mapping[str, torch.Tensor], per_tensor: int = SAMPLE_PER_TENSOR) -> torch.Tensor:
+    """The values of the same coordinates on every replica, as one float64 vector (names sorted): all elements of
+    a tensor with at most ``per_tensor``, else ``per_tensor`` drawn uniformly (with replacement) by a generator
+    seeded from the tensor's name, so replicas in different processes read the same places."""
+    parts = []
+    for name in sorted(live):
+        flat_p = live[name].detach().reshape(-1)
+        n = flat_p.numel()
+        if n <= per_tensor:
+            parts.append(flat_p.to("cpu", torch.float64))
+            continue
+        seed = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") % 2**63
+        idx = torch.randint(n, (per_tensor,), generator=torch.Generator().manual_seed(seed))
+        parts.append(flat_p[idx.to(flat_p.device)].to("cpu", torch.float64))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def divergence(samples: Sequence[torch.Tensor]) -> dict[str, float]:
+    """How far replicas' weights differ on their ``coordinate_sample``s (replica 0 is the reference):
+    the share of sampled coordinates where any replica differs, the largest spread (max - min over replicas), and
+    the largest root-mean-square difference of a replica from replica 0."""
+    s = torch.stack(list(samples))
+    diff = s[1:] - s[0]
+    return {
+        "replicas/count": float(s.shape[0]),
+        "replicas/sampled": float(s.shape[1]),
+        "replicas/differing_fraction": float((diff != 0).any(0).double().mean()) if s.shape[0] > 1 else 0.0,
+        "replicas/max_abs_diff": float((s.max(0).values - s.min(0).values).max()) if s.numel() else 0.0,
+        "replicas/rms_diff": float(diff.pow(2).mean(1).sqrt().max()) if s.shape[0] > 1 else 0.0,
+    }

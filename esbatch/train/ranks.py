@@ -60,6 +60,18 @@ class Ranks:
         dist.all_gather(parts, mine)
         return combine_rows([p.tolist() for p in parts])
 
+    def gather_tensors(self, local: Sequence[Any]) -> list[Any]:
+        """Every rank's ``local`` tensors (the same count and shape on every rank), in rank order, on every rank."""
+        if self.world == 1:
+            return list(local)
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.stack([t.to("cpu", torch.float64) for t in local])
+        parts = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(parts, mine)
+        return [row for part in parts for row in part]
+
     def check_in_sync(self, checksum: float | None, t: int) -> None:
         """Stop the run if the ranks' centers differ after update t."""
         if self.world == 1 or checksum is None:

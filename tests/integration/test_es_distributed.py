@@ -81,3 +81,69 @@ def test_a_dead_rank_fails_the_run_loudly_and_it_resumes_bit_exact(single, tmp_p
     ref, got = center(single), center(run_dir)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
     assert _weights(run_dir) == _weights(single)
+
+
+# ----------------------------------------------------------------------------- es.restore: inplace over 2 ranks
+
+INPLACE = ("--set", "run.nproc_per_node=2", "--set", "es.restore=inplace", "--set", "model.dtype=bfloat16")
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [yaml.safe_load(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
+
+
+def _replayed(run_dir: Path, replica: int) -> dict[str, torch.Tensor]:
+    """Replica ``replica``'s weights rebuilt in this process: theta_0 plus its logged cycles and every update."""
+    from esbatch.backends import BACKENDS
+    from esbatch.config import config_from_dict
+    from esbatch.es.config import backend_setup
+    from esbatch.es.replay import replay
+
+    cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    cfg.tracking.drift = False
+    backend = BACKENDS.get("hf").for_es(backend_setup(cfg))
+    replay(backend, _records(run_dir), first_replica=replica)
+    return backend.center_state_dict()
+
+
+def test_inplace_ranks_keep_their_own_round_off_logged_so_that_replay_rebuilds_each(tmp_path, tiny_model_dir):
+    """Each rank perturbs and restores its own members in bf16 (es.dispatch: dynamic, so who took which member
+    comes from the counter): the ranks' weights drift apart, every record lists each rank's members in order, and
+    replaying those lists rebuilds both ranks' weights: rank 0's equal center.safetensors bit for bit, and the two
+    together give exactly the divergence the run logged after its last update."""
+    from esbatch.perturb.inplace import coordinate_sample, divergence
+
+    cfg = str(write_config(tmp_path, tiny_model_dir, "inplace"))
+    finish(esbatch("train", cfg, *INPLACE, "--set", "es.dispatch=dynamic"))
+    run_dir = tmp_path / "runs" / "inplace"
+    records = _records(run_dir)
+    assert len(records) == UPDATES
+    for r in records:
+        assert len(r["replicas"]) == 2 and sorted(r["replicas"][0] + r["replicas"][1]) == list(range(4))
+    last = records[-1]["metrics"]
+    assert last["replicas/count"] == 2 and last["replicas/differing_fraction"] > 0  # they did drift apart
+    rank0, rank1 = _replayed(run_dir, 0), _replayed(run_dir, 1)
+    saved = center(run_dir)
+    assert all(t.dtype == torch.bfloat16 for t in saved.values())
+    assert all(torch.equal(saved[k], rank0[k]) for k in saved)
+    assert any(not torch.equal(rank0[k], rank1[k]) for k in rank0)
+    measured = divergence([coordinate_sample(rank0), coordinate_sample(rank1)])
+    assert {k: last[k] for k in measured} == measured
+
+
+def test_inplace_ranks_resume_bit_exact(tmp_path, tiny_model_dir):
+    """Stopped after 3 of 6 updates and resumed to 6: every rank replays its own cycles from theta_0, so the run
+    ends where an uninterrupted one does: the same center (rank 0's), records, and divergence between the ranks."""
+    straight = str(write_config(tmp_path, tiny_model_dir, "straight"))
+    finish(esbatch("train", straight, *INPLACE))
+    cut = str(write_config(tmp_path, tiny_model_dir, "cut"))
+    finish(esbatch("train", cut, *INPLACE, "--set", "es.updates=3"))
+    run_dir = tmp_path / "runs" / "cut"
+    finish(esbatch("train", "--resume", str(run_dir), "--set", f"es.updates={UPDATES}"))
+    ref, got = center(tmp_path / "runs" / "straight"), center(run_dir)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    a, b = _records(tmp_path / "runs" / "straight"), _records(run_dir)
+    keep = ("rewards", "replicas", "update_weights")
+    assert [{k: r[k] for k in keep} for r in a] == [{k: r[k] for k in keep} for r in b]
+    assert [r["metrics"]["replicas/rms_diff"] for r in a] == [r["metrics"]["replicas/rms_diff"] for r in b]
+    assert a[-1]["metrics"]["replicas/rms_diff"] > 0

@@ -19,8 +19,6 @@ CASES = {  # name: (overrides breaking one rule, the start of its message)
         {"es": {"estimator": "one_point", "generation_seeds": "antithetic_pairs"}},
         "es.generation_seeds: 'antithetic_pairs' needs es.estimator: antithetic",
     ),
-    "inplace on vllm": ({"es": {"restore": "inplace"}, "backend": {"name": "vllm"}}, "es.restore: inplace runs on"),
-    "inplace on ranks": ({"es": {"restore": "inplace"}, "run": {"nproc_per_node": 2}}, "es.restore: inplace needs one"),
     "inplace, center on host": ({"es": {"restore": "inplace", "master": "host"}}, "es.master: host cannot go with"),
     "inplace with diversity": (
         {"es": {"restore": "inplace", "diversity": {"every": 1}}},

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 import esbatch.es.trainer as trainer_mod
 from esbatch.backends import SamplingParams
@@ -19,8 +20,8 @@ from esbatch.config import config_from_dict
 from esbatch.es import ES
 from esbatch.es.config import ESConfig, backend_setup
 from esbatch.es.core import draw_population
-from esbatch.es.replay import replay
-from esbatch.es.trainer import ESTrainer, diversity_seed, es_step, inplace_ranks_error
+from esbatch.es.replay import member_cycles, replay
+from esbatch.es.trainer import ESTrainer, diversity_seed, es_step, replica_orders
 from esbatch.metrics import diversity_metrics
 from esbatch.perturb.update import UpdateSpec
 from esbatch.train.problems import load_problems
@@ -155,6 +156,9 @@ class TwoRanks(Ranks):
         self.claimers.append((n, key))
         it = iter(self.claims)
         return lambda: next(it, None)
+
+    def gather_tensors(self, local):
+        return [torch.tensor(x, dtype=torch.float64) for x in self.others_samples] + list(local)
 
     def gather(self, n, local, width):
         self.gathers.append((n, {i: list(v) for i, v in local.items()}, width))
@@ -294,15 +298,17 @@ def test_dynamic_dispatch_in_one_process_is_the_static_plan():
 def test_static_rank_1_of_2_evaluates_members_1_and_3_and_gathers_the_rest():
     t = 3
     cfg, members, b, probs = _setup(t)
-    ranks = TwoRanks(1, {3: {0: [0.5, 7.0, 0.0], 2: [0.0, 5.0, 0.0]}})
+    ranks = TwoRanks(1, {5: {0: [0.5, 7.0, 0.0, 0, 0], 2: [0.0, 5.0, 0.0, 0, 1]}})
     rec = es_step(cfg, b, probs, t, ranks)
     (call,) = b.calls
     assert call["members"] == [(members[i].seed, SIGMA, members[i].gen_seed) for i in (1, 3)]
     assert call["claim"] is None
     # local rows of members 1 and 3: rewards (1/4 - 1/2 + 1) / 3 and (1 + 1/4 - 1/2) / 3, tokens sum_x 1 + i + 2x
     ((n, local, width),) = ranks.gathers
-    assert (n, width) == (N, 3)
-    assert local == {1: [0.25, 12, 0], 3: [0.25, 18, 0]}  # reward, tokens, verifier exceptions
+    assert (n, width) == (N, 5)
+    # reward, tokens, verifier exceptions, replica (rank 1's one engine: replica 1), place in its order
+    assert local == {1: [0.25, 12, 0, 1, 0], 3: [0.25, 18, 0, 1, 1]}
+    assert "replicas" not in rec  # es.restore: exact: who evaluated whom changes nothing
     rewards = [0.5, 0.25, 0.0, 0.25]
     assert rec["rewards"] == rewards
     assert rec["z"] == pytest.approx(_z(rewards), rel=1e-12)
@@ -315,14 +321,14 @@ def test_static_rank_1_of_2_evaluates_members_1_and_3_and_gathers_the_rest():
 def test_dynamic_rank_takes_the_members_its_claim_hands_out():
     t = 5
     cfg, members, b, probs = _setup(t, dispatch="dynamic")
-    ranks = TwoRanks(0, {3: {1: [0.75, 4.0, 0.0], 3: [-0.5, 6.0, 0.0]}}, claims=[2, 0])
+    ranks = TwoRanks(0, {5: {1: [0.75, 4.0, 0.0, 1, 0], 3: [-0.5, 6.0, 0.0, 1, 1]}}, claims=[2, 0])
     rec = es_step(cfg, b, probs, t, ranks)
     assert ranks.claimers == [(N, f"es/{t}")]
     (call,) = b.calls
     assert call["members"] == [(m.seed, SIGMA, m.gen_seed) for m in members]  # the whole population is offered
     assert callable(call["claim"])
     ((_, local, _),) = ranks.gathers
-    assert local == {0: [1.0, 9, 0], 2: [-0.25, 15, 0]}  # keyed by the population index the claim handed out
+    assert local == {0: [1.0, 9, 0, 0, 0], 2: [-0.25, 15, 0, 0, 1]}  # keyed by the index the claim handed out
     assert rec["rewards"] == [1.0, 0.75, -0.25, -0.5]
     assert rec["metrics"]["tokens/generated"] == 9 + 4 + 15 + 6
 
@@ -403,7 +409,7 @@ def test_diversity_on_rank_1_of_2_sends_its_rows_and_takes_the_others():
     t = 2
     cfg, members, b, probs = _setup(t, diversity={"every": 1, "samples": 3})
     other_p = {0: [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 40.0], 2: [0.0, 1 / 3, 1.0, 0.0, 0.0, 1.0, 30.0]}
-    ranks = TwoRanks(1, {3: {0: [0.5, 7.0, 0.0], 2: [0.0, 5.0, 0.0]}, 2 * B + 1: other_p})
+    ranks = TwoRanks(1, {5: {0: [0.5, 7.0, 0.0, 0, 0], 2: [0.0, 5.0, 0.0, 0, 1]}, 2 * B + 1: other_p})
     rec = es_step(cfg, b, probs, t, ranks)
     _, extra_call = b.calls
     assert extra_call["members"] == [(members[i].seed, SIGMA, diversity_seed(members[i].gen_seed)) for i in (1, 3)]
@@ -483,12 +489,89 @@ def test_inplace_replay_of_a_record_without_sigma_names_the_update():
     assert b.log[-1] == ("update", [5, 9], [0.25, -1.0], 0.1, 3)  # the first update went through
 
 
-def test_inplace_ranks_error_text():
-    assert inplace_ranks_error(3) == (
-        "es.restore: inplace cannot run over 3 processes: every rank would carry the round-off of only the members "
-        "it evaluated, so the ranks' centers would drift apart (the rank checksum would stop the run). Use one "
-        "process (run.nproc_per_node: 1, nodes: 1, ntasks_per_node: 1) or es.restore: exact."
+def _engines(records_replicas):
+    return [{**r, "replicas": records_replicas} for r in _records()[:1]]
+
+
+def test_inplace_replay_gives_each_engine_the_cycles_of_the_replica_it_stands_for():
+    b = Engines([], restore_mode="inplace")
+    recs = _engines([[1], [2, 0], [], [0]])  # 4 replicas; members 5+, 5-, 9+ (scales 0.5, -0.5, 0.5)
+    replay(b, recs, first_replica=1)
+    assert b.log == [("cycles", [[(9, 0.5), (5, 0.5)], []]), ("update", [5, 9], [0.25, -1.0], 0.1, 3)]
+    assert member_cycles(recs[0], 3, 1) == [[(5, 0.5)]]
+    assert member_cycles(recs[0], 0, 1) == [[(5, -0.5)]]
+
+
+def test_inplace_replay_on_more_replicas_than_logged_names_the_fix():
+    recs = _engines([[0, 1], [2]])
+    with pytest.raises(ValueError) as e:
+        replay(Engines([], restore_mode="inplace"), recs, first_replica=1)
+    assert str(e.value) == (
+        "log.jsonl: update 0 records the members of 2 replica(s) (engines x ranks), and replaying replicas 1..2 "
+        "needs more: resume an es.restore: inplace run with the engines and ranks it ran with (backend.engines, "
+        "run.nproc_per_node, run.nodes)"
     )
+
+
+def test_a_log_from_before_replicas_were_recorded_is_one_replica_in_member_order():
+    assert member_cycles(_records()[0], 0, 1) == [[(5, 0.5), (5, -0.5), (9, 0.5)]]
+
+
+def test_replica_orders_sorts_each_replicas_members_by_their_place():
+    rows = [[0.5, 1, 0, 1, 1], [0.0, 1, 0, 0, 0], [1.0, 1, 0, 1, 0], [0.2, 1, 0, 2, 0]]
+    assert replica_orders(rows, 4) == [[1], [2, 0], [3], []]
+
+
+class Engines(Scripted):
+    """Two engines (replicas) in this process: member k of the call on engine k % 2, in reverse order; fixed
+    weight samples per engine; cycles logged."""
+
+    replicas = 2
+    SAMPLES = ([1.0, 2.0, 3.0], [1.0, 2.0, 3.0])
+
+    def evaluate_population(self, members, prompts, sampling, claim=None):
+        out = super().evaluate_population(members, prompts, sampling, claim)
+        ks = list(range(len(out.members)))
+        out.replicas = [[k for k in reversed(ks) if k % 2 == e] for e in range(2)]
+        return out
+
+    def cycles(self, members):
+        self.log.append(("cycles", [list(m) for m in members]))
+
+    def replica_samples(self):
+        return [torch.tensor(x, dtype=torch.float64) for x in self.SAMPLES]
+
+
+def test_inplace_step_over_two_ranks_logs_each_replicas_members_and_how_far_they_differ():
+    """Rank 1 of 2 with 2 engines is replicas 2 and 3: members 1 and 3 (its k = 0, 1) ran on engines 0 and 1;
+    rank 0's rows put member 2 then 0 on its engine 0 (replica 0). The four replicas' samples differ by hand."""
+    t = 3
+    cfg, members, _, probs = _setup(t, restore="inplace")
+    b = Engines(members)
+    b.learn(probs)
+    ranks = TwoRanks(1, {5: {0: [0.5, 7.0, 0.0, 0, 1], 2: [0.0, 5.0, 0.0, 0, 0]}})
+    ranks.others_samples = [[1.0, 2.25, 3.0], [1.0, 2.0, 3.0]]  # replicas 0 and 1
+    b.SAMPLES = ([1.0, 2.0, 3.5], [1.0, 2.0, 3.0])  # replicas 2 and 3
+    rec = es_step(cfg, b, probs, t, ranks)
+    ((_, local, _),) = ranks.gathers
+    assert {i: row[3:] for i, row in local.items()} == {1: [2, 0], 3: [3, 0]}
+    assert rec["replicas"] == [[2, 0], [], [1], [3]]
+    m = rec["metrics"]
+    assert {k: v for k, v in m.items() if k.startswith("replicas/")} == {
+        "replicas/count": 4.0,
+        "replicas/sampled": 3.0,
+        "replicas/differing_fraction": pytest.approx(2 / 3, abs=1e-15),  # coordinates 1 and 2
+        "replicas/max_abs_diff": 0.5,  # coordinate 2: 3.5 - 3.0
+        # replica 2 against replica 0: differences 0, -0.25, 0.5 (replicas 1 and 3: 0, -0.25, 0)
+        "replicas/rms_diff": pytest.approx(math.sqrt((0.0625 + 0.25) / 3), abs=1e-15),
+    }
+
+
+def test_inplace_in_one_process_logs_its_order_and_measures_nothing():
+    cfg, members, b, probs = _setup(1, restore="inplace")
+    rec = es_step(cfg, b, probs, 1)
+    assert rec["replicas"] == [[0, 1, 2, 3]]
+    assert not any(k.startswith("replicas/") for k in rec["metrics"])
 
 
 # ----------------------------------------------------------------------------- ESTrainer
@@ -500,6 +583,9 @@ class FakeRunDir:
 
     def load_center(self):
         return self.ckpt
+
+    def center_t(self):
+        return None if self.ckpt is None else self.ckpt[1]
 
     def save_center(self, state, t):
         self.calls.append(("save_center", state, t))
@@ -542,14 +628,6 @@ def test_setup_builds_the_configured_backend_and_returns_the_budget(monkeypatch)
     assert isinstance(tr.backend, Built) and tr.n_train == 39 == len(tr.probs.train)
 
 
-def test_setup_refuses_inplace_over_several_ranks_before_building_a_backend(monkeypatch):
-    monkeypatch.setattr(trainer_mod, "BACKENDS", None)  # never reached
-    cfg = _cfg(restore="inplace")
-    with pytest.raises(ValueError) as e:
-        ESTrainer(cfg, FakeRunDir(), Ranks(0, 2)).setup()
-    assert str(e.value) == inplace_ranks_error(2)
-
-
 def test_inplace_in_one_process_sets_up(monkeypatch):
     monkeypatch.setattr(trainer_mod, "BACKENDS", SimpleNamespace(get=lambda name: Built))
 
@@ -560,6 +638,28 @@ def test_inplace_in_one_process_sets_up(monkeypatch):
 
     assert ESTrainer(_cfg(restore="inplace"), FakeRunDir(), Ranks()).setup() == 4
     assert ESTrainer(_cfg(), FakeRunDir(), Ranks(0, 2)).setup() == 4  # exact restore over two ranks
+    assert ESTrainer(_cfg(restore="inplace"), FakeRunDir(), Ranks(1, 2)).setup() == 4  # each rank its round-off
+
+
+def test_inplace_replicas_replay_everything_from_theta0_and_skip_the_checksum():
+    """Rank 1 of 2 with 2 engines (replicas 2, 3): the checkpoint holds replica 0's center, so it is not loaded;
+    every record is replayed, each engine its own replica's cycles; the ranks' checksums differ by design."""
+    cfg = _cfg(restore="inplace")
+    tr = ESTrainer(cfg, FakeRunDir(({"w": "saved"}, 1)), Ranks(1, 2))
+    tr.backend = b = Engines([], restore_mode="inplace")
+    recs = [{**r, "replicas": [[0], [1], [2], []] if r["t"] == 0 else [[], [], [], [0]]} for r in _records()]
+    assert tr.restore(recs) == 2 and tr.saved_at == 1
+    assert b.log == [
+        ("cycles", [[(9, 0.5)], []]),
+        ("update", [5, 9], [0.25, -1.0], 0.1, 3),
+        ("cycles", [[], [(4, -0.125)]]),
+        ("update", [4], [2.0], 0.2, 1),
+    ]
+    assert tr.checksum() is None
+    tr.ranks = Ranks()  # two engines in one process differ too
+    assert tr.checksum() is None
+    tr.backend = Scripted([], restore_mode="inplace")  # one replica: its checkpoint and checksum as before
+    assert tr.checksum() == 12.5
 
 
 def test_restore_without_a_checkpoint_replays_every_record():
@@ -718,7 +818,7 @@ def test_every_rank_stops_when_the_verifier_failures_of_all_ranks_pass_the_limit
 
     cfg, members, b, probs = _setup(3)
     cfg.reward.max_score_errors = 0.4
-    ranks = TwoRanks(1, {3: {0: [0.5, 7.0, 2.0], 2: [0.0, 5.0, 3.0]}})
+    ranks = TwoRanks(1, {5: {0: [0.5, 7.0, 2.0, 0, 0], 2: [0.0, 5.0, 3.0, 0, 1]}})
     with pytest.raises(ScoringError, match=r"raised on 5 of the 12 responses .* Last one \(this process\): on another"):
         es_step(cfg, b, probs, 3, ranks)
     cfg.reward.max_score_errors = 5 / 12  # exactly at the limit: logged, not stopped

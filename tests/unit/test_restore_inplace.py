@@ -268,28 +268,13 @@ def test_restore_is_exact_by_default_and_an_unknown_value_lists_the_valid_ones(t
         weights_for({}, "fp32")
 
 
-def test_inplace_is_refused_with_vllm_or_several_processes(tmp_path, tiny_model_dir):
+def test_inplace_runs_on_vllm_and_several_processes_but_not_with_a_second_diversity_pass(tmp_path, tiny_model_dir):
     d = _cfg(tiny_model_dir, tmp_path, "inplace", updates=1)
-    for extra, words in (
-        ({"backend": {"name": "vllm"}}, "backend.name: hf only"),
-        ({"run": {**d["run"], "nproc_per_node": 2}}, "run.nproc_per_node: 2"),
-        ({"es": {**d["es"], "diversity": {"every": 2, "samples": 2}}}, "second pass"),
-    ):
-        with pytest.raises(ConfigError) as e:
-            config_from_dict({**d, **extra})
-        assert any("es.restore: inplace" in line and words in line for line in e.value.errors), e.value
-    # the same config with exact restore passes these checks
-    config_from_dict({**_cfg(tiny_model_dir, tmp_path, "exact", updates=1), "run": {**d["run"], "nproc_per_node": 2}})
-
-
-def test_inplace_over_several_ranks_is_refused_before_loading_a_model(tmp_path, tiny_model_dir):
-    from esbatch.es.trainer import ESTrainer
-    from esbatch.train.ranks import Ranks
-    from esbatch.train.rundir import RunDir
-
-    cfg = config_from_dict(_cfg(tiny_model_dir, tmp_path, "inplace", updates=1))
-    with pytest.raises(ValueError, match="cannot run over 2 processes"):
-        ESTrainer(cfg, RunDir(tmp_path / "r"), Ranks(rank=0, world=2)).setup()
+    for extra in ({"backend": {"name": "vllm"}}, {"run": {**d["run"], "nproc_per_node": 2}}):
+        assert config_from_dict({**d, **extra}).es.restore == "inplace"
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({**d, "es": {**d["es"], "diversity": {"every": 2, "samples": 2}}})
+    assert any("es.restore: inplace" in line and "second pass" in line for line in e.value.errors), e.value
 
 
 def test_alpha_zero_is_valid_and_negative_alpha_is_not(tmp_path, tiny_model_dir):
