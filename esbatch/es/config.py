@@ -69,9 +69,8 @@ class ESConfig:
         "the center back bit for bit, the update is accumulated in fp32. inplace: the paper's implementation (App. "
         "G.1): add sigma*eps to the weights in place in the compute dtype (model.dtype), subtract the same "
         "sigma*eps to restore, and add the update in the compute dtype too; no master copy, and the round-off of "
-        "every perturb/restore cycle stays in the weights (resume replays the cycles). With several vLLM engines or "
-        "ranks each keeps its own round-off, as in the paper; how far they differ is logged as replicas/* every "
-        "update, and the run's center is replica 0's.",
+        "every perturb/restore cycle stays in the weights (resume replays the cycles). Several engines or ranks "
+        "each keep their own, as in the paper (replicas/* logs how far apart; the center is replica 0's).",
         choices=("exact", "inplace"),
     )
     master: str = setting(
