@@ -91,10 +91,10 @@ def es_step(cfg: TrainConfig, backend: ESBackend, probs: Problems, t: int, ranks
     t0 = time.perf_counter()
     stats = backend.update(spec)
     t_upd = time.perf_counter() - t0
-    n_replicas = ranks.world * backend.replicas
-    inplace = es.restore == "inplace"
-    if inplace and n_replicas > 1:  # each replica its own round-off: how far apart they are now
-        divergence = replica_divergence(ranks.gather_tensors(backend.replica_samples()))
+    n_replicas, inplace = ranks.world * backend.replicas, es.restore == "inplace"
+    apart = {}  # in place, each replica keeps its own round-off: how far apart they are now
+    if inplace and n_replicas > 1:
+        apart = replica_divergence(ranks.gather_tensors(backend.replica_samples()))
     metrics = {
         **_reward_metrics(rewards),
         "update/l2": stats.update_l2,
@@ -111,7 +111,7 @@ def es_step(cfg: TrainConfig, backend: ESBackend, probs: Problems, t: int, ranks
         "epoch": epoch,
         **scoring,
         **_flops(backend, prompts, n_tokens, es.population_size),
-        **(divergence if inplace and n_replicas > 1 else {}),
+        **apart,
     }
     record = {
         "t": t,
