@@ -44,6 +44,7 @@ from esbatch.launch.base import LAUNCHERS
 from esbatch.launch.cost import load_table
 from esbatch.launch.state import SweepDir, folder_problem
 from esbatch.launch.submit import (
+    BackendUnavailable,
     cancel_sweep,
     dry_run,
     folder_notes,
@@ -816,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ConfigError, UnknownNameError, FileExistsError, FileNotFoundError, RunFolderError) as e:
+    except (ConfigError, UnknownNameError, FileExistsError, FileNotFoundError, RunFolderError, BackendUnavailable) as e:
         if args.debug:
             raise
         return _err(str(e))

@@ -229,3 +229,19 @@ def logged(run_dir: str | Path) -> int:
     """Updates in a run folder's log.jsonl (complete lines)."""
     log = Path(run_dir) / "log.jsonl"
     return log.read_bytes().count(b"\n") if log.exists() else 0
+
+
+class LauncherDouble:
+    """A launcher that records what it is asked to submit (each call's keys) and starts nothing."""
+
+    foreground = False
+
+    def __init__(self):
+        self.submitted = []
+
+    def submit(self, sd, name, keys, after=None):
+        self.submitted.append(list(keys))
+        return [{"job_id": "99", "keys": list(keys)}]
+
+    def describe(self, sd, name, n_tasks):
+        return f"would submit {n_tasks} task(s)"

@@ -7,6 +7,7 @@ the sweep's parent run is created by the first task that logs (SweepDir.ensure_p
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import time
 from collections import Counter
@@ -30,6 +31,45 @@ from esbatch.train.lock import writer_lock
 from esbatch.train.rundir import RunDir, RunFolderError
 
 DONE_OR_ACTIVE = {"finished", "queued", "running", "damaged"}  # not submitted (damaged: said why, left alone)
+
+
+class BackendUnavailable(RuntimeError):
+    """Tasks of the sweep need a generation backend the interpreter that would run them cannot import."""
+
+
+def vllm_importable() -> bool:
+    """Whether this interpreter can import vLLM (located, not imported: importing it takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def missing_vllm(sweep: Sweep, keys: list[str] | None = None) -> str | None:
+    """Why the runs and evals among ``keys`` (default: all) that generate on vLLM cannot run, or None: their tasks
+    run in this interpreter (the local launcher, or SLURM without a container: python_command) and it cannot import
+    vLLM. A container's image has it."""
+    if sweep.profile.container.runtime != "none" or vllm_importable():
+        return None
+    keys_set = None if keys is None else set(keys)
+    runs = [
+        str(r.point.get("method", r.label))
+        for r in sweep.runs
+        if r.config.backend.name == "vllm" and (keys_set is None or r.key in keys_set)
+    ]
+    evals = [
+        e.label
+        for e in sweep.evals
+        if (e.config.get("backend") or {}).get("name") == "vllm" and (keys_set is None or e.key in keys_set)
+    ]
+    if not runs and not evals:
+        return None
+    what = "; ".join(
+        f"{kind} {', '.join(dict.fromkeys(names))}" for kind, names in (("runs", runs), ("evals", evals)) if names
+    )
+    return (
+        f"sweep {sweep.name}: backend.name: vllm ({what}) needs vLLM, which {sys.executable} cannot import, and the "
+        f"launcher profile {sweep.launcher} runs every task with this interpreter. On a CPU, run the sweep with "
+        f".venv-vllm/bin/esbatch (made by bash scripts/setup-vllm.sh); on GPU nodes use the container image (a "
+        f"launcher profile with container:, docs/containers.md). Nothing was submitted."
+    )
 
 
 def write_plan(sweep: Sweep) -> SweepDir:
@@ -280,6 +320,8 @@ def dry_run(sweep: Sweep, out: Any, table: Table | None = None) -> int:
     todo = [r.key for r in sweep.runs if not (existing.get(r.key) and existing[r.key].state in DONE_OR_ACTIVE)]
     eval_todo, _ = evals_to_submit(sweep, existing, todo, out)  # as the submission picks them, waiting ones named
     print("\n" + launcher_for(prof).describe(sd, sweep.name, len(todo) + len(eval_todo)), file=out)
+    if why := missing_vllm(sweep, todo + eval_todo):
+        print(f"\nwould be refused: {why.removesuffix(' Nothing was submitted.')}", file=out)
     return 0
 
 
@@ -307,6 +349,8 @@ def _submit_sweep(sweep: Sweep, *, wait: bool, out: Any, table: Table | None = N
     if not todo and not eval_todo:
         print("  nothing to submit.", file=out)
         return 0
+    if why := missing_vllm(sweep, todo + eval_todo):  # before any task starts: not one task failing per run
+        raise BackendUnavailable(why)
     resumed = sum(1 for k in todo if states[k].done > 0 or states[k].state not in ("pending", "missing"))
     print(f"  submitting {len(todo)} run(s) ({resumed} resume from their folders)", file=out)
     if eval_todo:

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import yaml
+from toy import LauncherDouble
 
 from esbatch.launch import submit
 from esbatch.launch.state import combine, disk_state
@@ -59,17 +60,6 @@ class SchedulerDouble:
 
     def states(self, sd, submissions):
         return dict(self.states_by_key)
-
-
-class LauncherDouble:
-    foreground = False
-
-    def __init__(self):
-        self.submitted = []
-
-    def submit(self, sd, name, keys, after=None):
-        self.submitted.append(list(keys))
-        return [{"job_id": "99", "keys": list(keys)}]
 
 
 @pytest.fixture
