@@ -41,9 +41,6 @@ def model_dir(name: str, tmp: str) -> str:
 
 def trainer(model: str, backend: str, args: argparse.Namespace) -> Any:
     from esbatch.config import load_config
-    from esbatch.grpo.trainer import GRPOTrainer
-    from esbatch.train.ranks import Ranks
-    from esbatch.train.rundir import RunDir
 
     sets = {
         "algorithm": "grpo",
@@ -63,10 +60,33 @@ def trainer(model: str, backend: str, args: argparse.Namespace) -> Any:
         "backend.max_model_len": 256,
         **({"backend.gpu_memory_utilization": 0.3} if args.device == "cuda" else {}),  # DeepSpeed shares the GPU
     }
-    cfg = load_config("quickstart", [f"{k}={v}" for k, v in sets.items()])
-    tr = GRPOTrainer(cfg, RunDir(tempfile.mkdtemp()), Ranks(), args.device)
+    return build(load_config("quickstart", [f"{k}={v}" for k, v in sets.items()]), args.device)
+
+
+def build(cfg: Any, device: str) -> Any:
+    """A GRPO trainer of run config ``cfg`` set up as `esbatch train` sets it up, in a scratch run folder."""
+    from esbatch.grpo.trainer import GRPOTrainer
+    from esbatch.train.ranks import Ranks
+    from esbatch.train.rundir import RunDir
+
+    tr = GRPOTrainer(cfg, RunDir(tempfile.mkdtemp()), Ranks(), device)
     tr.setup()
     return tr
+
+
+def step_parts(tr: Any, steps: int) -> dict[str, float]:
+    """One untimed step (t=0), then ``steps`` timed ones: medians of rollout, load, train (the trainer's own
+    split) and "wall", the whole step as the caller waits for it (scoring, drift and the rest included)."""
+    tr.step(0)
+    parts: dict[str, list[float]] = {"rollout": [], "load": [], "train": [], "wall": []}
+    for t in range(1, steps + 1):
+        t0 = time.perf_counter()
+        m = tr.step(t)["metrics"]
+        parts["wall"].append(time.perf_counter() - t0)
+        parts["rollout"].append(m["time/generation_s"])
+        parts["load"].append(m["time/weight_sync_s"])
+        parts["train"].append(m["time/train_s"])
+    return {k: statistics.median(v) for k, v in parts.items()}
 
 
 def split(model: str, backend: str, args: argparse.Namespace) -> dict[str, float]:
@@ -75,14 +95,7 @@ def split(model: str, backend: str, args: argparse.Namespace) -> dict[str, float
     tr = trainer(model, backend, args)
     out = {"setup_s": time.perf_counter() - t0}
     try:
-        tr.step(0)
-        parts: dict[str, list[float]] = {"rollout": [], "load": [], "train": []}
-        for t in range(1, args.steps + 1):
-            m = tr.step(t)["metrics"]
-            parts["rollout"].append(m["time/generation_s"])
-            parts["load"].append(m["time/weight_sync_s"])
-            parts["train"].append(m["time/train_s"])
-        out.update({k: statistics.median(v) for k, v in parts.items()})
+        out.update(step_parts(tr, args.steps))
         if backend == "vllm":
             params = list(tr.engine.module.named_parameters())
             out["mb"] = sum(p.numel() * p.element_size() for _, p in params) / 2**20
