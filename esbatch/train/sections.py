@@ -4,9 +4,11 @@ An algorithm's own section lives in its package (es/config.py, grpo/config.py, p
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import urlparse
 
 from esbatch.backends.config import BackendConfig
 from esbatch.models import ModelConfig, model_problem
@@ -180,9 +182,29 @@ class InTrainingEvalConfig:
             errors.extend(ks_errors(self.ks, self.samples, f"{path}.ks", f"{path}.samples"))
 
 
+@expects(
+    "an MLflow store: sqlite:///PATH, http(s)://HOST:PORT, a database URI (postgresql://...), databricks, or unset "
+    "(the sqlite store <output_dir>/mlflow.db)"
+)
+def tracking_uri(v: Any) -> str | None:
+    """A tracking URI MLflow will open. A file store (file:PATH or a bare path) is refused here, before any work,
+    because MLflow 3 refuses it only when the run logs (an eval: after all its generation) unless
+    MLFLOW_ALLOW_FILE_STORE=true."""
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise Invalid(f"got {v!r}")
+    file_store = urlparse(v).scheme in ("", "file") and v != "databricks"
+    if file_store and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
+        raise Invalid(f"{v!r} is an MLflow file store, which MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE=true")
+    return v
+
+
 @dataclass
 class TrackingConfig:
-    uri: str | None = setting(None, "MLflow tracking URI (None = sqlite store <output_dir>/mlflow.db).")
+    uri: str | None = setting(
+        None, "MLflow tracking URI (None = sqlite store <output_dir>/mlflow.db).", check=tracking_uri
+    )
     experiment: str = setting("esbatch", "MLflow experiment name.")
     log_model: bool = setting(False, "Save the final center in HF format as a run artifact.")
     drift: bool = setting(

@@ -5,6 +5,7 @@ import yaml
 
 from esbatch.cli import main
 from esbatch.config import ConfigError, config_from_dict, flatten, load_config, parse_overrides
+from esbatch.config.eval import load_eval_config
 
 BASE = {"es": {"updates": 3}}
 
@@ -223,3 +224,24 @@ def test_a_pipeline_stage_keeps_the_snapshots_within_its_own_budget(tmp_path):
     for s in stages:  # each stage validates (the second one's init_weights is the first one's future center)
         s.model.init_weights = None
         assert config_from_dict(s.to_dict()).checkpoint.snapshots == s.checkpoint.snapshots
+
+
+@pytest.mark.parametrize("uri", ["file:/tmp/mlruns", "file:///tmp/mlruns", "/tmp/mlruns", "mlruns", "./mlruns"])
+def test_a_file_store_uri_is_refused_before_any_work(uri, monkeypatch):
+    """MLflow 3 refuses a file store only when a run logs (an eval: after all its generation): named at load."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    for name in ("quickstart", "eval-quick"):
+        loader = load_eval_config if name.startswith("eval") else load_config
+        with pytest.raises(ConfigError, match=r"tracking.uri: .* is an MLflow file store.*sqlite:///PATH"):
+            loader(name, [f"tracking.uri={uri}"])
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's own opt-out: then it is MLflow's to open
+    assert load_config("quickstart", [f"tracking.uri={uri}"]).tracking.uri == uri
+
+
+STORES = ["sqlite:////tmp/m.db", "http://127.0.0.1:5000", "https://ml.example.org", "postgresql://u@h/db", "databricks"]
+
+
+@pytest.mark.parametrize("uri", STORES)
+def test_store_uris_mlflow_opens_are_kept(uri, monkeypatch):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    assert load_config("quickstart", [f"tracking.uri={uri}"]).tracking.uri == uri
