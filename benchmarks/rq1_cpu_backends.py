@@ -132,7 +132,7 @@ def es_phase(cfg: Any, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def eval_phase(ecfg: Any, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     from esbatch.backends import BACKENDS, SamplingParams
-    from esbatch.eval.runner import _chunk_seed
+    from esbatch.eval.runner import chunk_seed
     from esbatch.tasks import TASKS
     from esbatch.train.taskeval import few_shot_demos
 
@@ -154,7 +154,7 @@ def eval_phase(ecfg: Any, args: argparse.Namespace) -> dict[str, dict[str, Any]]
         prompts = [gens["hf"].chat_prompt(task.messages(ex, demos, None)) for ex in exs[: args.eval_prompts]]
         max_new = et.max_new_tokens or s.max_new_tokens
         sampled = SamplingParams(s.temperature, s.top_p, max_new, n=args.eval_n, entropy=True)
-        calls.append((label, prompts, sampled, _chunk_seed(s.seed, label, 0)))
+        calls.append((label, prompts, sampled, chunk_seed(s.seed, label, 0)))
     try:
         for r in range(args.rounds):
             label, prompts, sampled, seed = calls[r % len(calls)]  # one task per round, the tasks in turn

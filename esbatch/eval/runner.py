@@ -177,7 +177,8 @@ class EvalDir:
             os.fsync(f.fileno())
 
 
-def _chunk_seed(seed: int, label: str, start: int) -> int:
+def chunk_seed(seed: int, label: str, start: int) -> int:
+    """The generation seed of a task's chunk of problems from ``start`` on: the same on every rerun and backend."""
     return int.from_bytes(hashlib.blake2b(f"{seed}/{label}/{start}".encode(), digest_size=4).digest(), "little")
 
 
@@ -210,7 +211,7 @@ def run_task(cfg: EvalConfig, et: EvalTask, gen: Any, ed: EvalDir, progress: boo
         chunk = [exs[i] for i in idx]
         prompts = [gen.chat_prompt(task.messages(ex, demos, None)) for ex in chunk]
         t0 = time.perf_counter()
-        gens = gen.generate(prompts, sampled, _chunk_seed(s.seed, label, start))
+        gens = gen.generate(prompts, sampled, chunk_seed(s.seed, label, start))
         greedy_gens = gen.generate(prompts, greedy, 0) if s.greedy else []
         gen_s += time.perf_counter() - t0
         tokens += sum(g.n_tokens for g in gens) + sum(g.n_tokens for g in greedy_gens)
