@@ -65,15 +65,6 @@ def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def in_training_eval(trainer_eval: Any, generator: Any, evals: Any, t: int) -> float:
-    """One in-training evaluation as the lifecycle runs it: held-out greedy, then eval.tasks."""
-    t0 = time.perf_counter()
-    trainer_eval()
-    if evals:
-        evals(generator(), t)
-    return time.perf_counter() - t0
-
-
 def es_phase(cfg: Any, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     from esbatch.backends import BACKENDS, PerturbedMember, SamplingParams
     from esbatch.es.config import ESConfig, backend_setup
@@ -120,9 +111,11 @@ def es_phase(cfg: Any, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                 mine["update_s"].append(time.perf_counter() - t0)
                 say(f"es round {r} {name}: member {mine['member_s'][-1]:.2f} s, update {mine['update_s'][-1]:.2f} s")
         for name in order(args.rounds):  # minutes on HF: once per backend
-            b = backends[name]
-            heldout = lambda c=cfgs[name], b=b, p=probs[name]: evaluate_heldout(c, b, p)  # noqa: E731
-            res[name]["eval_s"].append(in_training_eval(heldout, lambda b=b: b, evals[name], 0))
+            t0 = time.perf_counter()  # as the lifecycle evaluates: held-out greedy, then eval.tasks
+            evaluate_heldout(cfgs[name], backends[name], probs[name])
+            if evals[name]:
+                evals[name](backends[name], 0)
+            res[name]["eval_s"].append(time.perf_counter() - t0)
             say(f"es {name}: in-training eval {res[name]['eval_s'][-1]:.1f} s")
     finally:
         for b in backends.values():

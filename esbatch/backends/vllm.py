@@ -311,9 +311,14 @@ class VLLMBackend(ESBackend):
 
     def _rpc_all(self, call: WorkerCall, *args: Any) -> list[dict[str, Any]]:
         """``call`` on every engine's worker, side by side when there are several."""
+        return self._rpc_each(call, [args] * len(self.engines))
+
+    def _rpc_each(self, call: WorkerCall, args: Sequence[Sequence[Any]]) -> list[dict[str, Any]]:
+        """``call`` on every engine's worker, engine e with ``args[e]``, side by side when there are several."""
+        jobs = list(enumerate(args))
         if self._pool is None:
-            return [self._rpc(e, call, *args) for e in range(len(self.engines))]
-        return list(self._pool.map(lambda e: self._rpc(e, call, *args), range(len(self.engines))))
+            return [self._rpc(e, call, *a) for e, a in jobs]
+        return list(self._pool.map(lambda job: self._rpc(job[0], call, *job[1]), jobs))
 
     # ---------------------------------------------------------------- generation
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
@@ -498,12 +503,7 @@ class VLLMBackend(ESBackend):
     def cycles(self, members: Sequence[Sequence[tuple[int, float]]]) -> None:
         if len(members) != len(self.engines):
             raise ValueError(f"cycles for {len(members)} replicas on {len(self.engines)} engines")
-        run = [(e, [(int(s), float(x)) for s, x in members[e]]) for e in range(len(self.engines))]
-        if self._pool is None:
-            for e, mine in run:
-                self._rpc(e, WorkerCall.CYCLES, mine)
-        else:
-            list(self._pool.map(lambda job: self._rpc(job[0], WorkerCall.CYCLES, job[1]), run))
+        self._rpc_each(WorkerCall.CYCLES, [([(int(s), float(x)) for s, x in mine],) for mine in members])
 
     def replica_samples(self) -> list[torch.Tensor]:
         return [unpack(r["sample"]).clone() for r in self._rpc_all(WorkerCall.SAMPLE, SAMPLE_PER_TENSOR)]

@@ -67,8 +67,8 @@ def missing_vllm(sweep: Sweep, keys: list[str] | None = None) -> str | None:
     return (
         f"sweep {sweep.name}: backend.name: vllm ({what}) needs vLLM, which {sys.executable} cannot import, and the "
         f"launcher profile {sweep.launcher} runs every task with this interpreter. On a CPU, run the sweep with "
-        f".venv-vllm/bin/esbatch (made by bash scripts/setup-vllm.sh); on GPU nodes use the container image (a "
-        f"launcher profile with container:, docs/containers.md). Nothing was submitted."
+        ".venv-vllm/bin/esbatch (made by bash scripts/setup-vllm.sh); on GPU nodes use the container image (a "
+        "launcher profile with container:, docs/containers.md)."
     )
 
 
@@ -321,7 +321,7 @@ def dry_run(sweep: Sweep, out: Any, table: Table | None = None) -> int:
     eval_todo, _ = evals_to_submit(sweep, existing, todo, out)  # as the submission picks them, waiting ones named
     print("\n" + launcher_for(prof).describe(sd, sweep.name, len(todo) + len(eval_todo)), file=out)
     if why := missing_vllm(sweep, todo + eval_todo):
-        print(f"\nwould be refused: {why.removesuffix(' Nothing was submitted.')}", file=out)
+        print(f"\nwould be refused: {why}", file=out)
     return 0
 
 
@@ -350,7 +350,7 @@ def _submit_sweep(sweep: Sweep, *, wait: bool, out: Any, table: Table | None = N
         print("  nothing to submit.", file=out)
         return 0
     if why := missing_vllm(sweep, todo + eval_todo):  # before any task starts: not one task failing per run
-        raise BackendUnavailable(why)
+        raise BackendUnavailable(f"{why} Nothing was submitted.")
     resumed = sum(1 for k in todo if states[k].done > 0 or states[k].state not in ("pending", "missing"))
     print(f"  submitting {len(todo)} run(s) ({resumed} resume from their folders)", file=out)
     if eval_todo:
