@@ -54,6 +54,13 @@ def member_cycles(record: dict[str, Any], first: int, count: int) -> list[list[t
             "and ranks it ran with (backend.engines, run.nproc_per_node, run.nodes)"
         )
     seeds, signs, sigma = record["seeds"], record["signs"], record["sigma"]
+    listed = [i for order in orders for i in (order if isinstance(order, list) else [order])]
+    once = all(type(i) is int for i in listed) and sorted(listed) == list(range(len(seeds)))
+    if not once:  # each member was perturbed and restored once, by one replica
+        raise RunFolderError(
+            f"log.jsonl: update {t} lists its replicas' members as {orders}, not each of its {len(seeds)} members "
+            "once: the log is damaged, and replaying it would rebuild other weights than the run's"
+        )
     return [[(seeds[i], signs[i] * sigma) for i in orders[k]] for k in range(first, first + count)]
 
 

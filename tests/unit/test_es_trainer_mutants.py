@@ -26,6 +26,7 @@ from esbatch.metrics import diversity_metrics
 from esbatch.perturb.update import UpdateSpec
 from esbatch.train.problems import load_problems
 from esbatch.train.ranks import Ranks
+from esbatch.train.rundir import RunFolderError
 from esbatch.train.schedule import batch_indices
 
 SEED, SIGMA, ALPHA, N, B = 11, 0.05, 0.02, 4, 3
@@ -495,11 +496,22 @@ def _engines(records_replicas):
 
 def test_inplace_replay_gives_each_engine_the_cycles_of_the_replica_it_stands_for():
     b = Engines([], restore_mode="inplace")
-    recs = _engines([[1], [2, 0], [], [0]])  # 4 replicas; members 5+, 5-, 9+ (scales 0.5, -0.5, 0.5)
+    recs = _engines([[1], [2, 0], [], []])  # 4 replicas; members 5+, 5-, 9+ (scales 0.5, -0.5, 0.5)
     replay(b, recs, first_replica=1)
     assert b.log == [("cycles", [[(9, 0.5), (5, 0.5)], []]), ("update", [5, 9], [0.25, -1.0], 0.1, 3)]
-    assert member_cycles(recs[0], 3, 1) == [[(5, 0.5)]]
+    assert member_cycles(recs[0], 3, 1) == [[]]
     assert member_cycles(recs[0], 0, 1) == [[(5, -0.5)]]
+
+
+@pytest.mark.parametrize(
+    "replicas", [[[0, 0], [1, 2]], [[0], [1]], [[0, 1, 2, 3]], [[0, 1], [2, 2]], [[0, True], [2]], [[0, "1"], [2]]]
+)
+def test_a_damaged_replica_list_is_refused_instead_of_replayed(replicas):
+    """Every member is perturbed and restored by exactly one replica: a list that repeats, drops or invents a
+    member (or holds a non-integer) is a damaged log, and replaying it would silently rebuild other weights."""
+    with pytest.raises(RunFolderError, match=r"update 0 lists its replicas' members as .*not each of its 3 members"):
+        member_cycles(_engines(replicas)[0], 0, 1)
+    assert member_cycles(_engines([[2, 0], [1]])[0], 0, 2) == [[(9, 0.5), (5, 0.5)], [(5, -0.5)]]  # a valid one
 
 
 def test_inplace_replay_on_more_replicas_than_logged_names_the_fix():
