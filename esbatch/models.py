@@ -13,6 +13,7 @@ import math
 import os
 import re
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -373,9 +374,7 @@ def parameter_count(name: str, gguf_file: str | None = None, revision: str | Non
         if (cached / "config.json").exists():
             folder = cached
         elif (folder / src.gguf_file).is_file():
-            from gguf import GGUFReader  # transformers reads GGUF with it: already installed where GGUF loads
-
-            return int(sum(int(t.n_elements) for t in GGUFReader(str(folder / src.gguf_file)).tensors))
+            return _gguf_elements(folder / src.gguf_file)
         else:
             return None
     elif not folder.is_dir():
@@ -432,7 +431,87 @@ def meta_parameter_count(
     path, kwargs = config_location(name, gguf_file, revision)
     if local_only:
         kwargs["local_files_only"] = True
-    return sum(math.prod(s) for s in hf_parameter_shapes(path, **kwargs).values())
+    key = (path, tuple(sorted(kwargs.items())), _config_stamp(path, kwargs.get("gguf_file")))
+    if key not in _META_COUNTS:  # a GGUF's metadata (its whole vocabulary) takes seconds to read: once per process
+        _META_COUNTS[key] = sum(math.prod(s) for s in hf_parameter_shapes(path, **kwargs).values())
+    return _META_COUNTS[key]
+
+
+_META_COUNTS: dict[tuple[Any, ...], int] = {}
+_GGUF_COUNTS: dict[tuple[Any, ...], int] = {}
+
+
+def _gguf_elements(path: Path) -> int:
+    """A GGUF file's tensor elements from its tensor table (once per process and file version)."""
+    key = (str(path), _config_stamp(str(path.parent), path.name))
+    if key not in _GGUF_COUNTS:
+        try:
+            _GGUF_COUNTS[key] = gguf_tensor_elements(path)
+        except (ValueError, struct.error):  # a layout this reader does not know (GGUF v1, big-endian): the full one
+            from gguf import GGUFReader  # transformers reads GGUF with it: already installed where GGUF loads
+
+            _GGUF_COUNTS[key] = int(sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors))
+    return _GGUF_COUNTS[key]
+
+
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_tensor_elements(path: str | Path) -> int:
+    """The elements of every tensor in a GGUF file (v2/v3, little-endian), from its header alone: the metadata
+    values are skipped, not decoded (gguf's GGUFReader decodes every one, the whole vocabulary included, which
+    takes seconds). ValueError (or struct.error) for another layout or a truncated header."""
+    import mmap
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version}")
+        off = 24
+
+        def skip(kind: int, off: int) -> int:
+            if kind in _GGUF_SCALARS:
+                return off + _GGUF_SCALARS[kind]
+            if kind == _GGUF_STRING:
+                return off + 8 + struct.unpack_from("<Q", buf, off)[0]
+            if kind == _GGUF_ARRAY:
+                item, n = struct.unpack_from("<IQ", buf, off)
+                off += 12
+                if item in _GGUF_SCALARS:
+                    return off + n * _GGUF_SCALARS[item]
+                for _ in range(n):
+                    off = skip(item, off)
+                return off
+            raise ValueError(f"{path}: unknown GGUF value type {kind}")
+
+        for _ in range(n_kv):
+            off = skip(_GGUF_STRING, off)  # the key
+            (kind,) = struct.unpack_from("<I", buf, off)
+            off = skip(kind, off + 4)
+        total = 0
+        for _ in range(n_tensors):
+            off = skip(_GGUF_STRING, off)  # the name
+            (n_dims,) = struct.unpack_from("<I", buf, off)
+            total += math.prod(struct.unpack_from(f"<{n_dims}Q", buf, off + 4))
+            off += 4 + 8 * n_dims + 4 + 8  # dims, ggml type, data offset
+        if off > len(buf):
+            raise ValueError(f"{path}: truncated GGUF header")
+        return total
+
+
+def _config_stamp(path: str, gguf_file: str | None) -> tuple[int, int, int] | None:
+    """The file a count was read from, as (inode, size, mtime): a file replaced or rewritten is read again."""
+    folder = Path(path)
+    for f in ([folder / gguf_file] if gguf_file else []) + [folder / "config.json"]:
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        return st.st_ino, st.st_size, st.st_mtime_ns
+    return None
 
 
 def load_tokenizer(name: str, gguf_file: str | None = None, revision: str | None = None) -> Any:

@@ -32,7 +32,7 @@ from esbatch.es.config import ESConfig
 from esbatch.grpo.config import GRPOConfig
 from esbatch.launch.disk import human, planned_updates, run_disk
 from esbatch.launch.throughput import Rate, Table, device_kind, load_rates
-from esbatch.models import HUB_PREFIX, NOMINAL_PARAMETERS, meta_parameter_count, parameter_count
+from esbatch.models import HUB_PREFIX, NOMINAL_PARAMETERS, config_location, meta_parameter_count, parameter_count
 from esbatch.pipeline import stage_configs
 from esbatch.schema import ConfigError
 from esbatch.tasks import TASKS, Task
@@ -188,6 +188,10 @@ def planned_parameters(name: str, gguf_file: str | None = None, revision: str | 
     """(parameter count, how it was found), fetching nothing: the config on the meta device, else the weight files'
     headers, else the model card's figure (NOMINAL_PARAMETERS); (None, why) when none is on this machine."""
     if not name.startswith(HUB_PREFIX):
+        if _a_gguf_file(name, gguf_file, revision):  # its tensor table reads in milliseconds, its config in seconds
+            n = parameter_count(name, gguf_file, revision)
+            if n is not None:
+                return n, "from its files' headers"
         try:
             return meta_parameter_count(name, gguf_file, revision, local_only=True), "from its config, meta device"
         except (OSError, ValueError, KeyError, ImportError):
@@ -198,6 +202,14 @@ def planned_parameters(name: str, gguf_file: str | None = None, revision: str | 
     if name in NOMINAL_PARAMETERS:
         return NOMINAL_PARAMETERS[name], "as its model card gives it: not on this machine yet"
     return None, "unknown: its config is not on this machine"
+
+
+def _a_gguf_file(name: str, gguf_file: str | None, revision: str | None) -> bool:
+    """Whether the model's config would be read from a GGUF file (no dequantized copy yet)."""
+    try:
+        return "gguf_file" in config_location(name, gguf_file, revision)[1]
+    except (OSError, ValueError):
+        return False
 
 
 def plan_sweep(

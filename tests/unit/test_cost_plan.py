@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import struct
 import sys
 from pathlib import Path
 
@@ -129,6 +130,35 @@ def test_meta_device_count_equals_the_loaded_models(tmp_path, kind):
     loaded = sum(p.numel() for p in model.parameters())  # shared parameters once
     assert meta_parameter_count(str(path)) == loaded == parameter_count(str(path))
     assert meta_parameter_count(str(path), local_only=True) == loaded
+
+
+def test_the_gguf_tensor_table_is_read_past_every_kind_of_metadata(tmp_path):
+    """esbatch's header-only GGUF reader (the plan's parameter count) against gguf's own GGUFReader, on a file with
+    metadata of every value type (scalars, strings, arrays of numbers, strings and arrays) and tensors of 1-3 dims;
+    a GGUF v1 file or a truncated header is refused (the caller then reads it with GGUFReader)."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    from esbatch.models import gguf_tensor_elements
+
+    path = tmp_path / "m.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_uint8("a.u8", 7), w.add_int16("a.i16", -3), w.add_uint32("a.u32", 9), w.add_float32("a.f32", 0.5)
+    w.add_bool("a.bool", True), w.add_uint64("a.u64", 1 << 40), w.add_float64("a.f64", 0.25), w.add_string("a.s", "xyz")
+    w.add_array("a.tokens", ["a", "bc", "", "d" * 300]), w.add_array("a.scores", [0.5, 1.5, 2.5])
+    w.add_key_value("a.nested", [[1, 2], [3]], GGUFValueType.ARRAY, sub_type=GGUFValueType.ARRAY)
+    for name, shape in [("t1", (5,)), ("t2", (3, 4)), ("t3", (2, 3, 7))]:
+        w.add_tensor(name, np.ones(shape, dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+    want = int(sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors))
+    assert gguf_tensor_elements(path) == want == 5 + 12 + 42
+    data = path.read_bytes()
+    (tmp_path / "v1.gguf").write_bytes(data[:4] + (1).to_bytes(4, "little") + data[8:])
+    (tmp_path / "cut.gguf").write_bytes(data[:60])
+    for bad in ("v1.gguf", "cut.gguf"):
+        with pytest.raises((ValueError, struct.error), match="version 1|truncated|unpack|buffer"):
+            gguf_tensor_elements(tmp_path / bad)
 
 
 def test_counts_fall_back_to_the_model_card_and_fetch_nothing():
