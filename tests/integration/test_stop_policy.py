@@ -11,11 +11,13 @@ import sqlite3
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from gate import Gate, gate_path
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
+from stress import stress
 from toy import gated, logged, run_esbatch, spawn_esbatch, toy_config
 
 UPDATES = 4
@@ -58,15 +60,23 @@ def storm(pids: list[int], rounds: int) -> None:
                 pass
 
 
+@pytest.mark.stress
 def test_signal_storm_on_a_local_sweep_loses_nothing(tmp_path, tiny_model_dir):
     gate = gate_path()
     path = write_sweep(tmp_path, tiny_model_dir, gate)
     ref = run_esbatch("sweep", str(path), "--name", "calm", timeout=900)  # the undisturbed reference (no gate yet)
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
 
-    sd = tmp_path / "out" / "storm"
+    for rep in range(stress()):  # the stress tier repeats the storm on new sweep folders, one calm reference
+        storm_once(tmp_path, path, gate, "storm" if rep == 0 else f"storm-{rep}")
+
+
+def storm_once(tmp_path: Path, path: Path, gate: str, name: str) -> None:
+    """One storm on the sweep ``path`` under the name ``name``, checked against the calm reference."""
+    sd = tmp_path / "out" / name
+    os.makedirs(os.path.dirname(gate), exist_ok=True)  # a closed gate removes its folder: open it again
     with Gate(gate) as g:
-        proc = spawn_esbatch("sweep", str(path))
+        proc = spawn_esbatch("sweep", str(path), "--name", name)
         g.arrivals(3)  # every run is inside update 1, its update 0 logged and in the store
         pids = [proc.pid, *json.loads((sd / "sweep.json").read_text())["submissions"][-1]["pids"].values()]
         storm(pids, 20)
@@ -89,14 +99,14 @@ def test_signal_storm_on_a_local_sweep_loses_nothing(tmp_path, tiny_model_dir):
     client = MlflowClient(f"sqlite:///{sd / 'mlflow.db'}")
     kids = [
         r
-        for r in client.search_runs([client.get_experiment_by_name("storm").experiment_id])
+        for r in client.search_runs([client.get_experiment_by_name(name).experiment_id])
         if r.data.tags.get("esbatch.role") != "parent"
     ]
     assert kids and all(r.info.status in ("KILLED", "FINISHED") for r in kids), [r.info.status for r in kids]
     for rd in (sd / "runs").iterdir():
         assert json.loads((rd / "run.json").read_text())["status"] in ("killed", "finished")
 
-    again = run_esbatch("sweep", str(path), timeout=900)
+    again = run_esbatch("sweep", str(path), "--name", name, timeout=900)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert "3 runs: 3 finished" in again.stdout
     for rd in (sd / "runs").iterdir():
@@ -105,7 +115,7 @@ def test_signal_storm_on_a_local_sweep_loses_nothing(tmp_path, tiny_model_dir):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rd.name
     kids = [
         r
-        for r in client.search_runs([client.get_experiment_by_name("storm").experiment_id])
+        for r in client.search_runs([client.get_experiment_by_name(name).experiment_id])
         if r.data.tags.get("esbatch.role") != "parent"
     ]
     assert len(kids) == 3
