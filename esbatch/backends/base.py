@@ -32,6 +32,7 @@ class SamplingParams:
     max_new_tokens: int = 256
     n: int = 1  # samples per prompt; a backend generates them in one call (prompt encoded once)
     entropy: bool = False  # also return each response's mean token entropy
+    logprobs: bool = False  # also return each sampled token's log-prob under the sampling distribution
 
 
 class PerturbedMember(NamedTuple):
@@ -51,6 +52,9 @@ class Generation:
     entropy: float | None = None  # mean over the response's tokens of H(p_t), p_t = the sampling distribution
     token_ids: list[int] | None = None  # the sampled tokens (GRPO scores these, not a re-tokenized text)
     token_entropy: list[float] | None = None  # H(p_t) of each token (entropy's terms), with sampling.entropy
+    # log p_t(y_t) of each sampled token, p_t = softmax(logits / T) cut to top_p as sampled (with sampling.logprobs;
+    # vLLM's processed_logprobs): what GRPO's rollout correction compares with the trainer's own log-probs
+    logprobs: list[float] | None = None
 
 
 @dataclass

@@ -83,12 +83,14 @@ class HFGenerator(Generator):
 
         enc = self.tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(self.model.device)
         meter = _EntropyMeter(self.eos_ids, sampling.temperature) if sampling.entropy else None
-        procs = [p for p in (meter, *processors) if p is not None]
+        lp = _SampledLogprobs(sampling.temperature, sampling.top_p) if sampling.logprobs else None
+        procs = [p for p in (meter, lp, *processors) if p is not None]
         seqs = self.model.generate(
             **enc, generation_config=gcfg, logits_processor=LogitsProcessorList(procs) if procs else None
         )
         ent = meter.means() if meter else None
         per_token = meter.tokens() if meter else None
+        logprobs = lp.finish(seqs) if lp else None
         out: list[Generation] = []
         for r, row in enumerate(seqs[:, enc["input_ids"].shape[1] :].tolist()):
             n_tok = len(row)
@@ -98,8 +100,48 @@ class HFGenerator(Generator):
                     break
             text = self.tok.decode(row[:n_tok], skip_special_tokens=True)
             h = None if per_token is None else per_token[r]
-            out.append(Generation(text, n_tok, None if ent is None else ent[r], row[:n_tok], h))
+            gen = Generation(text, n_tok, None if ent is None else ent[r], row[:n_tok], h)
+            gen.logprobs = None if logprobs is None else logprobs[r][:n_tok]
+            out.append(gen)
         return out
+
+
+class _SampledLogprobs:
+    """A logits processor that leaves the scores alone and records, for each row, the log-prob of the token
+    sampled at each step under the distribution it was sampled from: softmax(logits / T) cut to top_p by HF's own
+    TopPLogitsWarper (custom processors see the scores before HF's warpers, so it applies them itself; greedy:
+    T = 1, no cut). The token of step k is known at step k + 1 (``input_ids``' last column) or, for the last
+    step, from the finished sequences (``finish``). vLLM's processed_logprobs are the same quantity."""
+
+    def __init__(self, temperature: float, top_p: float) -> None:
+        from transformers import TopPLogitsWarper
+
+        self.temperature = temperature or 1.0
+        self.top_p = TopPLogitsWarper(top_p) if temperature and top_p < 1.0 else None
+        self.pending: torch.Tensor | None = None  # the last step's log-probs [rows, V]
+        self.steps: list[torch.Tensor] = []  # each step's sampled token's log-prob [rows]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self._take(input_ids[:, -1])
+        z = scores.float() / self.temperature
+        if self.top_p is not None:
+            z = self.top_p(input_ids, z)
+        self.pending = torch.log_softmax(z, dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        assert self.pending is not None
+        self.steps.append(self.pending.gather(-1, tokens.view(-1, 1).to(self.pending.device)).squeeze(-1).cpu())
+        self.pending = None
+
+    def finish(self, sequences: torch.Tensor) -> list[list[float]]:
+        """Each row's log-probs, one per generated step (past a row's EOS they are those of its padding)."""
+        if self.pending is not None:
+            self._take(sequences[:, -1])
+        if not self.steps:
+            return [[] for _ in range(sequences.shape[0])]
+        return torch.stack(self.steps, dim=1).tolist()
 
 
 class _EntropyMeter:

@@ -173,6 +173,9 @@ class VLLMBackend(ESBackend):
             "gpu_memory_utilization": gpu_memory_utilization,
             "enable_prefix_caching": prefix_caching,
             "max_model_len": max_model_len,
+            # log-probs (when asked for: GRPO's rollout correction) of the distribution sampled from: after the
+            # temperature and top_p, as the HF backend's (esbatch/backends/hf.py:_SampledLogprobs)
+            "logprobs_mode": "processed_logprobs",
             # low rank: hooks read the batch's requests at every step, so no compile and no CUDA graphs
             "enforce_eager": self.lowrank is not None or not (on_gpu and cuda_graphs),
             # on CPU whole prompts only: vLLM rewinds the sampling generator of a request whose prefill was
@@ -346,6 +349,7 @@ class VLLMBackend(ESBackend):
                 max_tokens=sampling.max_new_tokens,
                 seed=None if greedy else (seed * 1_000_003 + j) % 2**31,  # per prompt, reproducible
                 skip_special_tokens=True,
+                logprobs=0 if sampling.logprobs else None,  # the sampled token's (processed_logprobs: as sampled)
                 extra_args=extra,
             )
             for j in range(n_prompts)
@@ -353,11 +357,14 @@ class VLLMBackend(ESBackend):
 
     @staticmethod
     def _generations(outs: Sequence[Any]) -> list[Generation]:
-        return [
-            Generation(c.text, len(c.token_ids), None, list(c.token_ids))
-            for o in outs
-            for c in sorted(o.outputs, key=lambda c: c.index)
-        ]
+        gens = []
+        for o in outs:
+            for c in sorted(o.outputs, key=lambda c: c.index):
+                g = Generation(c.text, len(c.token_ids), None, list(c.token_ids))
+                if c.logprobs is not None:  # sampling.logprobs: each step's {token: Logprob}, the sampled one in it
+                    g.logprobs = [float(step[t].logprob) for t, step in zip(c.token_ids, c.logprobs)]
+                gens.append(g)
+        return gens
 
     def generate(
         self, prompts: Sequence[str], sampling: SamplingParams, seed: int, engine: int | None = None

@@ -21,17 +21,38 @@ class GRPOConfig:
         None, "Separate upper clip (DAPO clip-higher, e.g. 0.28); None = epsilon.", gt=0.0
     )
     beta: float = setting(
-        0.0, "KL penalty weight (k3 estimator); 0 = no reference model is loaded (TRL default).", ge=0.0
+        0.0, "KL penalty weight (see kl_estimator); 0 = no reference model is loaded (TRL default).", ge=0.0
+    )
+    kl_estimator: str = setting(
+        "k3",
+        "KL per token (beta > 0). k3: exp(ref - logp) - (ref - logp) - 1 (Shao et al.; TRL use_bias_correction_kl="
+        "False; verl low_var_kl also clamps it). k3_ratio: k3 x pi/pi_old, differentiable (DeepSeek-V3.2; TRL "
+        "use_bias_correction_kl=True, its 1.16 default). Default: the GRPO paper's.",
+        choices=("k3", "k3_ratio"),
     )
     scale_rewards: str = setting(
         "group",
-        "Advantage scale: group std (GRPO), batch std, or none (Dr. GRPO).",
+        "Advantage scale: group std (GRPO), batch std over the whole batch on all ranks, or none (Dr. GRPO).",
         choices=("group", "batch", "none"),
     )
     loss_aggregation: str = setting(
         "token_mean",
-        "token_mean (DAPO/verl), seq_mean_token_mean (original GRPO), seq_mean_token_sum (Dr. GRPO).",
-        choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
+        "The per-token losses as one loss, over the whole batch on all ranks (the gradient is the same on any "
+        "number of ranks or micro-batches): token_mean (TRL dapo, verl token-mean), seq_mean_token_mean (TRL grpo, "
+        "verl seq-mean-token-mean), seq_mean_token_sum (verl seq-mean-token-sum), seq_mean_token_sum_norm: Dr. "
+        "GRPO, / (responses x generation.max_new_tokens) (TRL dr_grpo). Table: docs/grpo-and-pipelines.md.",
+        choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"),
+    )
+    rollout_correction: str = setting(
+        "tis",
+        "Off-policy correction of engine rollouts: tis multiplies each token's loss by min(pi_trainer / pi_engine, "
+        "rollout_correction_cap), from the engine's own log-prob (TRL vllm_importance_sampling_mode=token_truncate, "
+        "verl rollout_is=token); none: off. The mismatch is logged either way (rollout/*). Default tis: round-off "
+        "where the engine is the trainer (hf, fp32), a correction where not (vLLM, bf16), as TRL and verl do.",
+        choices=("none", "tis"),
+    )
+    rollout_correction_cap: float = setting(
+        2.0, "C of rollout_correction: tis (Yao et al., 2025 and verl use 2; TRL 3).", gt=0.0
     )
     micro_batch_size: int | None = setting(
         None,

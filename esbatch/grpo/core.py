@@ -1,4 +1,5 @@
-"""The GRPO math: group advantages, token log-probs and entropy, the clipped surrogate, k3 KL, loss aggregation.
+"""The GRPO math: group advantages, token log-probs and entropy, the clipped surrogate, k3 KL, loss aggregation,
+and the truncated importance weight that corrects for rollouts sampled by another engine.
 
 Pure torch on tensors, no model. Shapes: B sequences (B = prompts x G responses, or [prompts, G] for the
 rewards), T completion tokens, V vocabulary; ``mask[B, T]`` is 1 on valid completion tokens.
@@ -13,6 +14,8 @@ from torch import Tensor
 
 SCALES = ("group", "batch", "none")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k3", "k3_ratio")
+ROLLOUT_CORRECTIONS = ("none", "tis")
 
 
 def group_advantages(rewards: Tensor, scale: str = "group", eps: float = 1e-4) -> Tensor:
@@ -76,6 +79,37 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.exp(d) - d - 1
 
 
+def rollout_is_weights(
+    trainer_logp: Tensor, engine_logp: Tensor, mask: Tensor, cap: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Truncated importance sampling (TIS) of rollouts sampled by another engine than the trainer's forward:
+
+        w_t = min(pi_trainer(y_t) / pi_engine(y_t), C) = min(exp(trainer_logp_t - engine_logp_t), C)
+
+    per sampled token, detached (a constant factor of the token's loss, as in TRL's vllm_importance_sampling
+    "token_truncate" and verl's token-level rollout IS). ``trainer_logp`` is the trainer's log-prob of the policy
+    that generated the batch (GRPO's "old" policy), ``engine_logp`` the engine's log-prob of the same token
+    under its sampling distribution. Returns w[B, T] (1 on padding) and sums over the valid tokens for the
+    mismatch metrics: ``abs_diff`` (sum |engine - trainer|), ``max_abs_diff``, ``capped`` (tokens with ratio
+    > C) and ``tokens``.
+    """
+    if cap <= 0:
+        raise ValueError(f"the importance weight cap must be > 0, got {cap}")
+    valid = mask.bool()
+    diff = (trainer_logp - engine_logp).detach()
+    diff = torch.where(valid, diff, torch.zeros_like(diff))  # padding: ratio 1, and no NaN from its zeros
+    ratio = torch.exp(diff)
+    w = torch.clamp(ratio, max=cap)
+    absd = diff.abs()
+    stats = {
+        "abs_diff": absd.sum(),
+        "max_abs_diff": absd.max() if absd.numel() else torch.zeros(()),
+        "capped": ((ratio > cap) & valid).sum(),
+        "tokens": valid.sum(),
+    }
+    return w, stats
+
+
 def clipped_surrogate(
     logp: Tensor,
     old_logp: Tensor,
@@ -111,21 +145,22 @@ def aggregate(
     n_tokens: Tensor | float | None = None,
     n_seqs: int | None = None,
 ) -> Tensor:
-    """Reduce a per-token loss[B, T] over the valid tokens (n_i = sum_t mask_it) to a scalar.
+    """Reduce a per-token loss[B, T] over the valid tokens (n_i = sum_t mask_it) to a scalar. The peers' names
+    (TRL 1.16 GRPOConfig.loss_type, verl actor.loss_agg_mode) are in docs/grpo-and-pipelines.md's table:
 
-    token_mean:              sum_it l_it m_it / sum_it m_it          (verl "token-mean", DAPO; TRL "dapo")
-    seq_mean_token_mean:     1/B sum_i (sum_t l_it m_it / n_i)        (original GRPO; verl, TRL "grpo")
-    seq_mean_token_sum:      1/B sum_i sum_t l_it m_it                (verl "seq-mean-token-sum")
+    token_mean:              sum_it l_it m_it / sum_it m_it          (TRL "dapo"; verl "token-mean")
+    seq_mean_token_mean:     1/B sum_i (sum_t l_it m_it / n_i)        (TRL "grpo"; verl "seq-mean-token-mean")
+    seq_mean_token_sum:      1/B sum_i sum_t l_it m_it                (verl "seq-mean-token-sum"; TRL "luspo")
     seq_mean_token_sum_norm: 1/(B L) sum_it l_it m_it, L = max_len    (Dr. GRPO, Liu et al., 2025; TRL "dr_grpo")
 
-    L should be the constant max completion length; it defaults to T, the padded width (verl's divisor;
-    verl's sum-norm also omits the 1/B, a constant factor).
+    L is the constant maximum completion length (TRL's max_completion_length; the trainer passes
+    generation.max_new_tokens); None takes T, the padded width (verl's divisor, which also omits the 1/B).
     Empty denominators count as 1, so an all-padding batch or sequence adds 0 instead of NaN.
 
-    Gradient accumulation: when ``per_token`` is one micro-batch of a larger batch, pass that batch's valid
-    tokens ``n_tokens`` (sum_it m_it), its sequence count ``n_seqs`` and ``max_len`` (its padded width); the
-    micro-batch terms then sum to the whole batch's loss (not a mean of per-micro-batch means). None (the
-    default) takes them from this tensor, the unbatched computation.
+    Gradient accumulation and ranks: when ``per_token`` is one micro-batch (or one rank's share) of a larger
+    batch, pass that batch's valid tokens ``n_tokens`` (sum_it m_it) and sequence count ``n_seqs``, summed over
+    every micro-batch and rank; the terms then sum to the whole batch's loss (not a mean of per-part means).
+    None (the default) takes them from this tensor, the unbatched computation.
     """
     m = mask.to(per_token.dtype)
     token_sums = (per_token * m).sum(-1)
@@ -165,24 +200,34 @@ def grpo_loss(
     aggregation: str = "token_mean",
     max_len: int | None = None,
     n_tokens: Tensor | float | None = None,
-    n_seqs: int | None = None,
+    n_seqs: int | float | None = None,
+    kl_estimator: str = "k3",
+    is_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The GRPO objective (Shao et al., 2024) as TRL computes it, to minimize:
+    """The GRPO objective (Shao et al., 2024), to minimize, term for term as TRL's GRPOTrainer._compute_loss:
 
-        L = aggregate_it( -min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i) + beta * k3_it )
+        L = aggregate_it( w_it * -min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i) + beta * kl_it )
 
     old_logp=None means one update per generation batch: old = logp.detach(), so rho = 1 with grad A.
     ref_logp is required when beta > 0; with beta = 0 (TRL's default) there is no reference model.
-    Stats (masked means over valid tokens): clip_fraction, kl (k3; 0 without ref_logp), ratio.
+    kl_estimator: "k3" (Schulman's k3, Shao et al.; TRL use_bias_correction_kl=False) or "k3_ratio" (k3 times
+    rho, differentiable, DeepSeek-V3.2; TRL use_bias_correction_kl=True, its default since 1.16).
+    is_weight: the rollout correction's truncated importance weights w[B, T] (``rollout_is_weights``); None = 1.
+    Stats (masked means over valid tokens): clip_fraction, kl (k3, without rho; 0 without ref_logp), ratio.
     n_tokens / n_seqs: the whole batch's counts when this is one micro-batch of it (see ``aggregate``).
     """
     if beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp from the reference model")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
     old_logp = logp.detach() if old_logp is None else old_logp
     per_token, clipped = clipped_surrogate(logp, old_logp, advantages, mask, eps_low, eps_high)
+    if is_weight is not None:
+        per_token = per_token * is_weight.detach()
     kl = kl_k3(logp, ref_logp.detach()) if ref_logp is not None else torch.zeros_like(logp)
     if beta != 0.0:
-        per_token = per_token + beta * kl
+        penalty = kl * torch.exp(logp - old_logp.detach()) if kl_estimator == "k3_ratio" else kl
+        per_token = per_token + beta * penalty
     loss = aggregate(per_token, mask, aggregation, max_len, n_tokens=n_tokens, n_seqs=n_seqs)
 
     with torch.no_grad():

@@ -4,9 +4,13 @@ Per step t (every rank, data-parallel; one optimizer step, TRL's global_step): w
 ``grpo.iterations``) generate G responses to this rank's share of batch t // mu's B prompts with HF ``generate`` on
 the DeepSpeed module (in sync by construction under ZeRO 0-2), or (backend.name: vllm) on this rank's vLLM engine,
 loaded with the policy's weights first (esbatch/backends/vllm_policy.py), score them, take group-relative
-advantages over all ranks' rewards, and store the old (mu > 1) and reference (beta > 0) log-probs; then the
-clipped token-level surrogate (+ beta * k3 KL) in micro-batches whose losses sum to the whole batch's, and one
-DeepSpeed step. The loss scores the generated token ids with the trainer's own forward, whatever generated them.
+advantages over all ranks' rewards, and store the old (mu > 1) and reference (beta > 0) log-probs and the
+batch's token and response counts over all ranks (one all-reduce); then the clipped token-level surrogate (+ beta
+* KL), times the truncated importance weight of the engine's own log-probs (grpo.rollout_correction), in
+micro-batches whose losses are each rank's share of the whole batch's loss, and one DeepSpeed step (which averages
+the ranks' gradients: each share is scaled by the rank count to undo that, so the gradient is the whole batch's
+whatever the ranks, their shares or idle ranks). The loss scores the generated token ids with the trainer's own
+forward, whatever generated them.
 Resume: the newest DeepSpeed checkpoint, plus each rank's stored batch when it lies inside one. Records carry
 ``update/rel_distance_from_theta0`` (theta_0: the base model before ``model.init_weights``, as ES) and, per
 generated batch, ``diversity``: p(x) over the G rollouts, a population of one (Section 3.1). docs/grpo-and-pipelines.md.
@@ -33,7 +37,7 @@ from esbatch.backends import BACKENDS
 from esbatch.backends.base import SamplingParams
 from esbatch.backends.config import ESSetup
 from esbatch.grpo.config import GRPOConfig
-from esbatch.grpo.core import group_advantages, grpo_loss, token_entropy, token_logprobs
+from esbatch.grpo.core import group_advantages, grpo_loss, rollout_is_weights, token_entropy, token_logprobs
 from esbatch.metrics import diversity_metrics
 from esbatch.models import (
     SafetensorsReader,
@@ -160,8 +164,6 @@ class GRPOTrainer(Trainer):
         self.total = 0
 
     def setup(self) -> int:
-        import deepspeed
-
         cfg, m = self.cfg, self.cfg.model
         dtype = "float32" if self.device == "cpu" else m.dtype
         model, self.tok = load_model_and_tokenizer(m.name, m.gguf_file, m.revision, dtype, self.device)
@@ -170,12 +172,7 @@ class GRPOTrainer(Trainer):
         if m.init_weights:  # an earlier pipeline stage's weights
             load_weights(model, m.init_weights)
         self.ref = copy.deepcopy(model).eval().requires_grad_(False) if self.grpo.beta > 0 else None
-        model.requires_grad_(True)  # loaded for inference; the policy trains every parameter
-        self.engine, *_ = deepspeed.initialize(
-            model=model,
-            config=ds_config(cfg, self.ranks.world, self.device != "cpu"),
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-        )
+        self.engine = self.init_engine(model)
         backend = BACKENDS.get(cfg.backend.name)
         setup = ESSetup(  # backend.name: vllm starts this rank's engine on the module's weights (vllm_policy.py)
             model=dataclasses.replace(m, dtype=dtype),
@@ -189,6 +186,19 @@ class GRPOTrainer(Trainer):
         self.probs = load_problems(cfg, self.gen)
         self.total = cfg.total_updates(len(self.probs.train))
         return self.total
+
+    def init_engine(self, model: Any) -> Any:
+        """``model`` as a DeepSpeed engine (AdamW, ZeRO grpo.zero_stage) over this process group, every parameter
+        trained."""
+        import deepspeed
+
+        model.requires_grad_(True)  # loaded for inference; the policy trains every parameter
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            config=ds_config(self.cfg, self.ranks.world, self.device != "cpu"),
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+        )
+        return engine
 
     @property
     def n_train(self) -> int:
@@ -214,39 +224,54 @@ class GRPOTrainer(Trainer):
 
     def step(self, t: int) -> dict[str, Any]:
         """One optimizer step on this rank's share of the batch (generated first when t % mu == 0); the record
-        holds metrics averaged over ranks."""
+        holds the whole batch's metrics, from every rank's sums (the same figures whatever the rank count)."""
         mu = self.grpo.iterations
         generated = self._batch is None or self._batch["index"] != t // mu
         if generated:
             self._batch = self._rollouts(t // mu)
         b = self._batch
-        rewards, t_gen = b["rewards"], b["t_gen"]
+        rewards, t_gen, w = b["rewards"], b["t_gen"], b["weight"]
         t1 = time.perf_counter()
-        stats = self._learn(b, first=generated)
+        s = self._learn(b, first=generated)
         self._stale = True
         t_train = time.perf_counter() - t1
         self._checksum = self._weights_checksum()
-        local = [float(rewards.mean()), float(rewards.std()), *stats, self._checksum]
+        if "rollout" not in b:  # the engine/trainer mismatch of this batch, measured by its first step
+            b["rollout"] = [s["logp_diff_sum"], s["logp_diff_max"], s["capped"], s["is_tokens"]]
+        local = [
+            *(w * x for x in (float(rewards.sum()), float(rewards.square().sum()), float(rewards.numel()))),
+            *(s[k] for k in ("entropy_sum", "kl_sum", "clip_sum", "tokens", "loss", "gen_tokens", "flops")),
+            self._checksum,
+            *b["rollout"],
+        ]
         share = self._group_success(b) if generated else None  # a collective: every rank or none
         m = self._gather(local)
+        r_sum, r_sq, r_n, ent, kl, clip, n_tok, loss, gen_tok, flops = m[:, :10].sum(0).tolist()
+        r_mean = r_sum / max(r_n, 1.0)
+        r_var = (r_sq - r_n * r_mean**2) / max(r_n - 1.0, 1.0)  # unbiased, as torch.std, over the batch's rewards
+        d_sum, d_max, capped, is_tok = m[:, 11].sum(), m[:, 12].max(), m[:, 13].sum(), m[:, 14].sum()
         grad_norm = self.engine.get_global_grad_norm()
         metrics = {
-            "reward/mean": float(m[:, 0].mean()),
-            "reward/std": float(m[:, 1].mean()),
-            "policy/entropy": float(m[:, 2].mean()),
-            "policy/kl": float(m[:, 3].mean()),
-            "policy/clip_fraction": float(m[:, 4].mean()),
-            "loss": float(m[:, 5].mean()),
+            "reward/mean": r_mean,
+            "reward/std": max(r_var, 0.0) ** 0.5,
+            "policy/entropy": ent / max(n_tok, 1.0),
+            "policy/kl": kl / max(n_tok, 1.0),
+            "policy/clip_fraction": clip / max(n_tok, 1.0),
+            "loss": loss,  # the whole batch's loss: the ranks' shares summed
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "tokens/per_s": float(m[:, 6].sum()) / max(t_gen, 1e-9),  # of the generation this batch came from
+            "tokens/per_s": gen_tok / max(t_gen, 1e-9),  # of the generation this batch came from
             "time/generation_s": t_gen if generated else 0.0,
             "time/weight_sync_s": b.get("t_sync", 0.0) if generated else 0.0,  # the policy into the vLLM engine
             "time/train_s": t_train,
-            "flops/update": float(m[:, 7].sum()),  # App. G.2 accounting with this step's real token counts
+            "flops/update": flops,  # App. G.2 accounting with this step's real token counts
             **{k: float(b[k]) for k in ("score/errors", "score/error_rate") if k in b},  # of the generated batch
             **self._drift(t),
         }
-        record = {"t": t, "metrics": metrics, "param_checksums": [float(c) for c in m[:, 8]]}
+        if is_tok > 0:  # the engine's log-probs of the sampled tokens against the trainer's (rollout_correction)
+            metrics["rollout/logp_diff_mean"] = float(d_sum / is_tok)
+            metrics["rollout/logp_diff_max"] = float(d_max)
+            metrics["rollout/capped_fraction"] = float(capped / is_tok)
+        record = {"t": t, "metrics": metrics, "param_checksums": [float(c) for c in m[:, 10]]}
         if share is not None:
             record["diversity"] = {"p": [share], "batch": b["batch"], "samples": self.grpo.group_size}
             div = diversity_metrics([share])
@@ -290,7 +315,7 @@ class GRPOTrainer(Trainer):
         scored each CORRECT [prompts, G] (bool)."""
 
         g, gc = self.grpo, self.cfg.generation
-        sampling = SamplingParams(gc.temperature, gc.top_p, gc.max_new_tokens, n=g.group_size)
+        sampling = SamplingParams(gc.temperature, gc.top_p, gc.max_new_tokens, n=g.group_size, logprobs=True)
         self.engine.module.eval()
         prompts = [self.probs.train_prompts[i] for i in mine]
         gens = self.gen.generate(prompts, sampling, _step_seed(self.cfg.run.seed, t, self.ranks.rank))
@@ -302,14 +327,24 @@ class GRPOTrainer(Trainer):
         correct = torch.tensor([v is Verdict.CORRECT for v in verdicts]).view(len(mine), g.group_size)
         return gens, torch.tensor(scores, dtype=torch.float32).view(len(mine), g.group_size), correct
 
-    def _advantages(self, rewards: Any) -> Any:
-        """Group-relative advantages; "batch" scaling divides by the std of every rank's rewards."""
-
-        everyone = [torch.zeros_like(rewards) for _ in range(self.ranks.world)]
-        dist.all_gather(everyone, rewards)
-        if self.grpo.scale_rewards == "batch":
-            return (rewards - rewards.mean(1, keepdim=True)) / (torch.cat(everyone).std() + 1e-4)
-        return group_advantages(rewards, scale=self.grpo.scale_rewards)
+    def _advantages(self, rewards: Any, weight: float) -> Any:
+        """Group-relative advantages; "batch" scaling divides by the std of the batch's rewards on every rank
+        (ranks hold different numbers of prompts when the batch splits unevenly; an idle rank's stand-in prompt,
+        weight 0, is not in the batch)."""
+        if self.grpo.scale_rewards != "batch":
+            return group_advantages(rewards, scale=self.grpo.scale_rewards)
+        everyone = rewards.reshape(-1).double()
+        if self.ranks.world > 1:
+            width = -(-self.grpo.batch_size // self.ranks.world) * self.grpo.group_size
+            mine = torch.full((width,), float("nan"), dtype=torch.float64)
+            if weight:
+                mine[: everyone.numel()] = everyone
+            parts = [torch.empty_like(mine) for _ in range(self.ranks.world)]
+            dist.all_gather(parts, mine)
+            everyone = torch.cat(parts)
+            everyone = everyone[~everyone.isnan()]
+        std = everyone.std().to(rewards.dtype)
+        return (rewards - rewards.mean(1, keepdim=True)) / (std + 1e-4)
 
     def _rollouts(self, index: int) -> dict[str, Any]:
         """Generate and score batch ``index`` (this rank's share), with everything its mu optimizer steps
@@ -327,7 +362,7 @@ class GRPOTrainer(Trainer):
         if self.ranks.world > 1:  # every rank stops or none
             errors, scored = (int(x) for x in self._gather([float(errors), float(scored)]).sum(0).tolist())
         scoring = check_scoring(cfg, self.probs, errors, scored)
-        b = self._prepare(mine, gens, self._advantages(rewards), weight)
+        b = self._prepare(mine, gens, self._advantages(rewards, weight), weight)
         return {
             **b,
             **{"index": index, "rewards": rewards, "t_gen": t_gen, "t_sync": t_sync, "correct": correct, "batch": idx},
@@ -351,13 +386,17 @@ class GRPOTrainer(Trainer):
         return time.perf_counter() - t0
 
     def _prepare(self, mine: list[int], gens: list[Any], adv: Any, weight: float) -> dict[str, Any]:
-        """The tensors the optimizer steps on one generated batch reuse, and the batch's FLOPs."""
+        """The tensors the optimizer steps on one generated batch reuse, the whole batch's valid tokens and
+        responses (summed over ranks: one all-reduce; an idle rank's stand-in counts 0), and the batch's FLOPs."""
         g = self.grpo
         ids, attn, mask, n_prompt = self._sequences(mine, gens)
         self.engine.module.train()  # the mode of the training forward, so the first inner step has ratio 1
         old = self._logprobs(self.engine.module, ids, attn) if g.iterations > 1 else None
         ref = self._logprobs(self.ref, ids, attn) if g.beta > 0 else None
         n_tok, n_seq = float(mask.sum()), ids.shape[0]
+        counts = torch.tensor([n_tok * weight, n_seq * weight], dtype=torch.float64)
+        if self.ranks.world > 1:
+            dist.all_reduce(counts)
         prompt_len, gen_len = max(n_prompt / n_seq, 1.0), max(n_tok / n_seq, 1.0)
         P, mu = self.gen.num_parameters(), g.iterations
         flops = grpo_flops(P, g.group_size, len(mine), prompt_len, gen_len, beta=g.beta, iterations=mu)
@@ -369,8 +408,30 @@ class GRPOTrainer(Trainer):
             "mask": mask,
             "old_logp": old,
             "ref_logp": ref,
+            "engine_logp": self._engine_logprobs(gens, mask),
+            "n_tokens": float(counts[0]),
+            "n_seqs": float(counts[1]),
             "flops": flops,
         }
+
+    def _engine_logprobs(self, gens: list[Any], mask: Any) -> Any:
+        """The generator's log-probs of the sampled tokens (Generation.logprobs) at the loss mask's positions
+        [B, T], or None when it gave none (rollout_correction: tis then refuses to train)."""
+        if any(x.logprobs is None for x in gens):
+            if self.grpo.rollout_correction != "none":
+                raise RuntimeError(
+                    f"grpo.rollout_correction: {self.grpo.rollout_correction} needs each sampled token's log-prob "
+                    f"from the generator, and backend {self.cfg.backend.name!r} returned none; set "
+                    "grpo.rollout_correction: none (valid: none, tis)"
+                )
+            return None
+        out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        for j, x in enumerate(gens):
+            pos = mask[j].nonzero().flatten()  # the response tokens' predicting positions, in order
+            if len(pos) != len(x.logprobs):
+                raise RuntimeError(f"response {j}: {len(x.logprobs)} log-probs for {len(pos)} sampled tokens")
+            out[j, pos] = torch.tensor(x.logprobs, dtype=torch.float32, device=mask.device)
+        return out
 
     def _slices(self, n: int) -> list[slice]:
         """This rank's n sequences in micro-batches of ``grpo.micro_batch_size`` (the last may be short)."""
@@ -397,24 +458,33 @@ class GRPOTrainer(Trainer):
                 del logits
         return out
 
-    def _learn(self, b: dict[str, Any], first: bool = True) -> list[float]:
+    def _learn(self, b: dict[str, Any], first: bool = True) -> dict[str, float]:
         """One optimizer step on the stored batch ``b``: forward/backward of the clipped surrogate micro-batch
-        by micro-batch, gradients accumulated, then the DeepSpeed step; returns this rank's
-        [entropy, kl, clip fraction, loss, completion tokens, FLOPs]. FLOPs: this step's share of the batch's
-        (App. G.2); the ``first`` step of a batch also carries its generation, old and reference forwards,
-        so the mu steps of a batch sum to grpo_flops(..., iterations=mu)["total"]."""
+        by micro-batch, gradients accumulated, then the DeepSpeed step. Each micro-batch's loss is its share of
+        the whole batch's loss (the batch's token and response counts over every rank, ``b``), times the rank
+        count W: DeepSpeed divides the ranks' summed gradients by W, so the step takes the whole batch's gradient
+        on any number of ranks, with any split and with idle ranks (weight 0).
+
+        Returns this rank's sums (0 on an idle rank): entropy_sum, kl_sum, clip_sum over its valid ``tokens``,
+        its share of the batch ``loss``, ``gen_tokens`` (what it generated), FLOPs: this step's share of the
+        batch's (App. G.2; the ``first`` step of a batch also carries its generation, old and reference forwards,
+        so the mu steps of a batch sum to grpo_flops(..., iterations=mu)["total"]); and the rollout mismatch
+        (sum and max of |engine - trainer log-prob|, tokens whose importance ratio exceeded the cap, tokens)."""
 
         g, temp = self.grpo, self.cfg.generation.temperature or 1.0
         ids, attn, mask, adv, weight = b["ids"], b["attn"], b["mask"], b["adv"], b["weight"]
         parts = self._slices(ids.shape[0])
-        whole = len(parts) == 1  # the unbatched computation, term for term
-        n_tok = mask.sum()
-        # the whole batch's denominators, so that the micro-batch losses sum to its loss (core.aggregate)
-        norm = {} if whole else {"n_tokens": n_tok, "n_seqs": ids.shape[0], "max_len": mask.shape[1]}
+        world = self.ranks.world
+        # the whole batch's denominators (core.aggregate); one process in one pass: the unbatched computation
+        whole = len(parts) == 1 and world == 1
+        norm = {"max_len": self.cfg.generation.max_new_tokens}
+        if not whole:
+            norm.update(n_tokens=b["n_tokens"], n_seqs=b["n_seqs"])
+        engine_logp = b.get("engine_logp")
         self.engine.module.train()
-        loss_sum, ent_sum, kl_sum, clip_sum = 0.0, 0.0, 0.0, 0.0
-        stats: dict[str, float] = {}
-        for k in range(micro_batches(self.cfg, self.ranks.world)):
+        sums = dict.fromkeys(("entropy_sum", "kl_sum", "clip_sum", "loss", "logp_diff_sum", "capped", "is_tokens"), 0.0)
+        d_max = 0.0
+        for k in range(micro_batches(self.cfg, world)):
             pad = k >= len(parts)  # a rank with fewer sequences than the largest share: a zero-weight pass
             sl = parts[-1] if pad else parts[k]
             logits, width = self._logits(self.engine, ids, attn, sl)
@@ -422,6 +492,11 @@ class GRPOTrainer(Trainer):
             logp = token_logprobs(logits, ids[sl, 1:width], temp)
             old = logp.detach() if b["old_logp"] is None else b["old_logp"][sl, : width - 1]
             ref = None if b["ref_logp"] is None else b["ref_logp"][sl, : width - 1]
+            is_weight, mismatch = None, None
+            if engine_logp is not None:  # pi_trainer(old) / pi_engine per token, truncated at the cap
+                is_weight, mismatch = rollout_is_weights(old, engine_logp[sl, : width - 1], m, g.rollout_correction_cap)
+                if g.rollout_correction == "none":
+                    is_weight = None
             loss, stats = grpo_loss(
                 logp,
                 old,
@@ -432,28 +507,36 @@ class GRPOTrainer(Trainer):
                 beta=g.beta,
                 ref_logp=ref,
                 aggregation=g.loss_aggregation,
+                kl_estimator=g.kl_estimator,
+                is_weight=is_weight,
                 **norm,
             )
-            self.engine.backward(loss * (0.0 if pad else weight), scale_wrt_gas=False)
+            self.engine.backward(loss * (0.0 if pad else weight * world), scale_wrt_gas=False)
             self.engine.step()  # DeepSpeed steps the optimizer at the last micro-batch only
-            if pad:
+            if pad or not weight:
                 continue
             with torch.no_grad():
-                ent_sum = ent_sum + (token_entropy(logits.detach(), temp) * m).sum()
                 n = float(m.sum())
-                loss_sum += float(loss.detach())
-                kl_sum += stats["kl"] * n
-                clip_sum += stats["clip_fraction"] * n
+                sums["entropy_sum"] += float((token_entropy(logits.detach(), temp) * m).sum())
+                sums["loss"] += float(loss.detach())
+                sums["kl_sum"] += stats["kl"] * n
+                sums["clip_sum"] += stats["clip_fraction"] * n
+                if mismatch is not None:
+                    sums["logp_diff_sum"] += float(mismatch["abs_diff"])
+                    sums["capped"] += float(mismatch["capped"])
+                    sums["is_tokens"] += float(mismatch["tokens"])
+                    d_max = max(d_max, float(mismatch["max_abs_diff"]))
             del logits, logp, loss
-        ent = ent_sum / n_tok.clamp(min=1)
-        if whole:
-            kl, clip = float(stats["kl"]), float(stats["clip_fraction"])
-        else:
-            kl, clip = kl_sum / max(float(n_tok), 1.0), clip_sum / max(float(n_tok), 1.0)
         f, mu = b["flops"], g.iterations
         per_step = (f["train_fwd_bwd"] + f["optimizer"]) / mu
         flops = f["total"] - (mu - 1) * per_step if first else per_step
-        return [float(ent), kl, clip, loss_sum, float(n_tok), flops * weight]
+        return {
+            **sums,
+            "logp_diff_max": d_max,
+            "tokens": float(mask.sum()) * weight,
+            "gen_tokens": float(mask.sum()),
+            "flops": flops * weight,
+        }
 
     def _sequences(self, mine: list[int], gens: list[Any]) -> tuple[Any, Any, Any, float]:
         """prompt + sampled tokens, right-padded, the attention mask, the loss mask over sampled tokens

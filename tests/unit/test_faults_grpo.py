@@ -23,6 +23,13 @@ RESPONSES = [["1", "2"], ["3", "4", "5"], ["6"], ["7", "8"]]  # G = 2 responses 
 ADV = torch.tensor([[1.0, -0.5], [0.25, -2.0]])
 
 
+def learn(tr, b, first=True):
+    """GRPOTrainer._learn's sums as this rank's (entropy, kl, clip fraction, loss, tokens, FLOPs), means per token."""
+    r = tr._learn(b, first=first)
+    n = max(r["tokens"], 1.0)
+    return r["entropy_sum"] / n, r["kl_sum"] / n, r["clip_sum"] / n, r["loss"], r["tokens"], r["flops"]
+
+
 class EngineDouble:
     """What GRPOTrainer uses of a DeepSpeed engine: the module, forward, backward (recorded) and step (no-op,
     so the gradients stay to be read)."""
@@ -56,7 +63,13 @@ def _trainer(tiny_model_dir, aggregation="token_mean"):
             "model": {"name": str(tiny_model_dir)},
             "task": {"name": "toy:DigitTask", "heldout_size": 0},
             "generation": {"temperature": TEMP, "max_new_tokens": 4},
-            "grpo": {"group_size": 2, "batch_size": 2, "updates": 1, "loss_aggregation": aggregation},
+            "grpo": {
+                "group_size": 2,
+                "batch_size": 2,
+                "updates": 1,
+                "loss_aggregation": aggregation,
+                "rollout_correction": "none",  # these responses are written here, no engine sampled them
+            },
         }
     )
     model, tok = load_model_and_tokenizer(str(tiny_model_dir), dtype="float32")
@@ -104,7 +117,7 @@ def test_loss_mask_marks_exactly_the_response_tokens_at_their_predicting_positio
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
 def test_learning_step_descends_the_hand_computed_objective(tiny_model_dir, aggregation):
     tr, model, tok, gens = _trainer(tiny_model_dir, aggregation)
-    ent, kl, clip, loss, n_tok, flops = tr._learn(tr._prepare([0, 1], gens, ADV, 1.0))
+    ent, kl, clip, loss, n_tok, flops = learn(tr, tr._prepare([0, 1], gens, ADV, 1.0))
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     assert tr.engine.steps == 1 and len(tr.engine.losses) == 1
 
@@ -139,7 +152,7 @@ def test_learning_step_descends_the_hand_computed_objective(tiny_model_dir, aggr
 
 def test_learning_step_flops_follow_appendix_g2(tiny_model_dir):
     tr, model, _, gens = _trainer(tiny_model_dir)
-    flops = tr._learn(tr._prepare([0, 1], gens, ADV, 1.0))[5]
+    flops = learn(tr, tr._prepare([0, 1], gens, ADV, 1.0))[5]
     P = sum(p.numel() for p in model.parameters())
     G, B = 2, 2
     L_p = (2 + 2 + 3 + 3) / 4  # each response's prompt
@@ -147,7 +160,7 @@ def test_learning_step_flops_follow_appendix_g2(tiny_model_dir):
     # generation 2 P G B L + train forward/backward 6 P G B L + AdamW 12 P (no reference, no old log-probs)
     assert flops == pytest.approx(2 * P * G * B * (L_p + L_g) + 6 * P * G * B * (L_p + L_g) + 12 * P, rel=1e-12)
     assert flops == pytest.approx(P * (144 + 12), rel=1e-12)
-    assert tr._learn(tr._prepare([0, 1], gens, ADV, 0.0))[5] == 0.0  # an idle rank's repeated prompt counts nothing
+    assert learn(tr, tr._prepare([0, 1], gens, ADV, 0.0))[5] == 0.0  # an idle rank's repeated prompt counts nothing
 
 
 # ----------------------------------------------------------------------------- micro-batches and mu iterations
@@ -194,10 +207,10 @@ def _trainer8(tiny_model_dir, aggregation="token_mean", micro=None, iterations=1
             "model": {"name": str(tiny_model_dir)},
             "task": {"name": "toy:DigitTask", "heldout_size": 0},
             "generation": {"temperature": TEMP, "max_new_tokens": 6},
-            "grpo": {**grpo, "beta": beta, "epsilon": epsilon},
+            "grpo": {**grpo, "beta": beta, "epsilon": epsilon, "rollout_correction": "none"},
         }
     )
-    cfg.grpo.loss_aggregation = aggregation  # the schema offers three; core.aggregate has the fourth too
+    cfg.grpo.loss_aggregation = aggregation
     model, tok = load_model_and_tokenizer(str(tiny_model_dir), dtype="float32")
     model.requires_grad_(True)
     tr = GRPOTrainer(cfg, None, Ranks(), "cpu")
@@ -229,7 +242,7 @@ def test_micro_batched_step_has_the_unbatched_gradient(tiny_model_dir, aggregati
         b = tr._prepare([0, 1], gens, ADV8, 1.0)
         noise = torch.randn(b["mask"].shape, generator=torch.Generator().manual_seed(5))
         b["old_logp"] = tr._logprobs(model, b["ids"], b["attn"]) + 0.3 * noise  # as if from an earlier policy
-        ent, kl, clip, loss, n_tok, _ = tr._learn(b)
+        ent, kl, clip, loss, n_tok, _ = learn(tr, b)
         results[m] = (tr.engine.grads[0], (ent, kl, clip, loss, n_tok), list(tr.engine.losses), b)
     (g0, s0, l0, b0), (g1, s1, l1, b1) = results[None], results[micro]
     assert len(l0) == 1 and len(l1) == -(-8 // micro)  # one backward per micro-batch, one optimizer step
@@ -281,7 +294,7 @@ def test_second_inner_iteration_is_the_hand_computed_clipped_surrogate(tiny_mode
     b = tr._prepare([0, 1], gens, ADV8, 1.0)
     mask = b["mask"].bool()
     torch.testing.assert_close(b["old_logp"][mask], torch.cat(old_hand).float(), rtol=1e-5, atol=1e-5)
-    first = tr._learn(b, first=True)
+    first = learn(tr, b, first=True)
     lens = [len(r) for r in RESPONSES8]
     # at the first inner step the ratio is 1: the loss is -sum_j A_j n_j / n_tok and nothing is clipped
     assert first[3] == pytest.approx(-sum(a * n for a, n in zip(ADV8.reshape(-1).tolist(), lens)) / sum(lens))
@@ -299,7 +312,7 @@ def test_second_inner_iteration_is_the_hand_computed_clipped_surrogate(tiny_mode
     want_loss, want_clip = sum(terms) / n_tok, clipped / n_tok
     assert 0 < clipped < n_tok  # the update moved some ratios out of the clip range, not all
 
-    ent, kl, clip, loss, n, flops = tr._learn(b, first=False)
+    ent, kl, clip, loss, n, flops = learn(tr, b, first=False)
     assert loss == pytest.approx(want_loss, rel=1e-4)
     assert clip == pytest.approx(want_clip, abs=1e-6) and round(clip * n_tok) == clipped  # the same tokens
     assert tr.engine.steps == 2
@@ -330,7 +343,7 @@ def test_inner_iteration_flops_sum_to_the_batch_total(tiny_model_dir):
     steps sum to (2 + 2 + 3 x 6) P G B L + 3 x 12 P."""
     tr, model, _, gens = _trainer8(tiny_model_dir, iterations=3, lr=0.0)
     b = tr._prepare([0, 1], gens, ADV8, 1.0)
-    steps = [tr._learn(b, first=k == 0)[5] for k in range(3)]
+    steps = [learn(tr, b, first=k == 0)[5] for k in range(3)]
     P, G, B = sum(p.numel() for p in model.parameters()), 4, 2
     L = (2 * 4 + 3 * 4) / 8 + sum(len(r) for r in RESPONSES8) / 8  # mean prompt + mean response tokens
     per_step_train = 6 * P * G * B * L + 12 * P
@@ -342,11 +355,11 @@ def test_inner_iteration_flops_sum_to_the_batch_total(tiny_model_dir):
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_defaults_compute_the_single_pass_step_bit_for_bit(tiny_model_dir, beta):
     """micro_batch_size None and iterations 1 (the defaults): the step is the one-forward computation written
-    out here (the trainer's code before micro-batches and mu), equal to the last bit in loss, gradient, stats."""
+    out here (the trainer's code before micro-batches and mu), equal to the last bit in loss and gradient."""
     from esbatch.grpo.core import grpo_loss, token_entropy, token_logprobs
 
     tr, model, _, gens = _trainer8(tiny_model_dir, beta=beta)
-    ent, kl, clip, loss, n_tok, _ = tr._learn(tr._prepare([0, 1], gens, ADV8, 1.0))
+    ent, kl, clip, loss, n_tok, _ = learn(tr, tr._prepare([0, 1], gens, ADV8, 1.0))
     got = tr.engine.grads[0]
 
     ids, attn, mask, _ = tr._sequences([0, 1], gens)
@@ -361,7 +374,9 @@ def test_defaults_compute_the_single_pass_step_bit_for_bit(tiny_model_dir, beta)
     want, stats = grpo_loss(logp, logp.detach(), ADV8.reshape(-1), mask, beta=beta, ref_logp=ref_logp)
     want.backward()
     h = (token_entropy(logits.detach(), TEMP) * mask).sum() / mask.sum().clamp(min=1)
-    assert (loss, ent, kl, clip, n_tok) == (float(want), float(h), stats["kl"], stats["clip_fraction"], 28.0)
+    assert (loss, n_tok) == (float(want), 28.0)  # the loss to the last bit
+    # the stats travel as per-rank sums (rank-invariant means): the same figures up to that round-off
+    assert (ent, kl, clip) == pytest.approx((float(h), stats["kl"], stats["clip_fraction"]), rel=1e-6, abs=1e-12)
     for n, p in model.named_parameters():
         assert torch.equal(got[n], p.grad), n
 

@@ -94,6 +94,39 @@ def test_greedy_rollouts_follow_the_trained_module_after_every_step(policy):
     assert token_ids(gen.generate(prompts, GREEDY, 0)) == token_ids(hf.generate(prompts, GREEDY, 0))
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_engine_logprobs_are_the_trainers_to_1e4_in_fp32(policy, top_p):
+    """grpo.rollout_correction's input: vLLM's log-prob of each sampled token (processed_logprobs: after the
+    temperature and top_p) against the trainer's own forward, and against the HF generator's (the same quantity)."""
+    from esbatch.backends.hf import HFGenerator
+    from esbatch.grpo.core import token_logprobs
+
+    model, tok, gen = policy
+    gen.load_policy(model.named_parameters())
+    prompts = [gen.chat_prompt([{"role": "user", "content": f"Say a digit #{i}"}]) for i in range(3)]
+    sampling = SamplingParams(0.9, top_p, 10, n=4, logprobs=True)
+    gens = gen.generate(prompts, sampling, 11)
+    diffs = []
+    for j, g in enumerate(gens):
+        p = tok(prompts[j // 4], add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([p + g.token_ids])
+        with torch.no_grad():
+            want = token_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:], 0.9)[0, len(p) - 1 :]
+        got = torch.tensor(g.logprobs)
+        assert len(g.logprobs) == len(g.token_ids) > 0
+        if top_p == 1.0:
+            diffs.append((got - want).abs())
+        else:  # the nucleus renormalised: at least the full distribution's log-prob
+            assert bool((got >= want - 1e-4).all())
+    if top_p == 1.0:
+        d = torch.cat(diffs)
+        print(f"vLLM vs trainer log-probs (fp32, CPU): mean |diff| {float(d.mean()):.2e}, max {float(d.max()):.2e}")
+        assert float(d.max()) <= 1e-4
+    # the HF generator's log-probs of its own samples are the same quantity (its own test compares it to the trainer)
+    hf = HFGenerator(model, tok, batch_size=8).generate(prompts[:1], sampling, 11)
+    assert all(len(g.logprobs) == len(g.token_ids) for g in hf)
+
+
 def test_a_load_moves_only_the_tensors_sent_and_the_engine_keeps_no_copy(policy):
     model, _, gen = policy
     name = "model.norm.weight"
