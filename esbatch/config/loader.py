@@ -117,11 +117,120 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return parse_yaml(text, str(p))
 
 
-def parse_yaml(text: str, source: str | None = None) -> dict[str, Any]:
+#: The most nodes a YAML document may expand to once its aliases (``*name``) are resolved: a config, a sweep grid
+#: or a launcher profile is a few hundred; a "billion laughs" alias bomb is refused before it is expanded.
+MAX_YAML_NODES = 100_000
+
+
+class _Refused(Exception):
+    """A hostile or ambiguous YAML document, refused before it is built (the message says where)."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the later one silently);
+    keys merged in by ``<<: *anchor`` may still be overridden, as YAML intends."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = self.construct_object(key_node)
+            line = key_node.start_mark.line + 1
+            if key in first:
+                raise _Refused(
+                    f"key {key!r} is given twice in one mapping, at line {first[key]} and line {line} (YAML would "
+                    "silently keep the later value); keep one of them"
+                )
+            first[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_sizes(root: yaml.Node) -> dict[int, int]:
+    """id(node) -> how many nodes it expands to with every alias resolved; one visit per distinct node (aliases
+    share their anchor's node), so a bomb costs its size in the file, not its expansion. A node that contains
+    itself (``a: &a [*a]``) counts as MAX_YAML_NODES + 1."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if id(node) in sizes:
+            continue
+        children = _children(node)
+        if done:
+            open_.discard(id(node))
+            sizes[id(node)] = min(1 + sum(sizes[id(c)] for c in children), MAX_YAML_NODES + 1)
+            continue
+        if id(node) in open_:  # reached again while its own children are being counted: a cycle
+            sizes.update(dict.fromkeys(open_, MAX_YAML_NODES + 1))  # it and all it is inside: infinite
+            open_.clear()
+            continue
+        open_.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in sizes)
+    return sizes
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _bomb_path(root: yaml.Node, sizes: dict[int, int]) -> str:
+    """The key whose value is too large: from the top, into the first child that is over the bound, while one is."""
+    path, node, seen = "", root, set()
+    while id(node) not in seen:
+        seen.add(id(node))
+        step = None
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if sizes.get(id(v), 0) > MAX_YAML_NODES and id(v) not in seen:
+                    step = (f"{path}.{k.value}" if path else str(k.value)) if isinstance(k, yaml.ScalarNode) else path
+                    node = v
+                    break
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                if sizes.get(id(v), 0) > MAX_YAML_NODES and id(v) not in seen:
+                    step, node = f"{path}[{i}]", v
+                    break
+        if step is None:
+            break
+        path = step
+    return path or "the top level"
+
+
+def load_yaml(text: str, source: str | None = None) -> Any:
+    """One YAML document, as ``yaml.safe_load`` reads it, but refusing (ConfigError naming ``source``) a key given
+    twice in one mapping (both lines named), and aliases that expand to more than MAX_YAML_NODES nodes (the key
+    named) before building anything from them."""
+    loader = _StrictLoader(text)
     try:
-        data = yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        sizes = _expanded_sizes(node)
+        if sizes[id(node)] > MAX_YAML_NODES:
+            raise _Refused(
+                f"{_bomb_path(node, sizes)}: YAML aliases (*name) expand it to more than {MAX_YAML_NODES:,} values "
+                "(an alias bomb, or an anchor that contains itself); write the values out or use fewer aliases"
+            )
+        return loader.construct_document(node)
+    except _Refused as e:
+        raise ConfigError([str(e)], source) from None
     except yaml.YAMLError as e:
         raise ConfigError([f"YAML syntax error: {e}"], source) from None
+    except RecursionError:
+        raise ConfigError(["YAML nested too deeply to read"], source) from None
+    finally:
+        loader.dispose()
+
+
+def parse_yaml(text: str, source: str | None = None) -> dict[str, Any]:
+    data = load_yaml(text, source)
     if data is None:
         raise ConfigError(["the file is empty: expected a mapping of keys (see `esbatch validate --schema`)"], source)
     if not isinstance(data, dict):

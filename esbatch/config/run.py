@@ -13,9 +13,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from esbatch.config.loader import find, read_yaml
+from esbatch.config.loader import find, load_yaml, read_yaml
 from esbatch.es import ES
 from esbatch.es.config import LEGACY_NOISE
 from esbatch.grpo import GRPO
@@ -68,9 +66,9 @@ def parse_overrides(overrides: list[str] | None) -> dict[str, Any]:
             if not isinstance(node, dict):
                 raise ConfigError([f"--set {item!r}: '{p}' is set to a value and used as a section"])
         try:
-            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError as e:
-            reason = str(e).splitlines()[0]
+            node[parts[-1]] = load_yaml(raw, f"--set {item!r}") if raw.strip() else None
+        except ConfigError as e:
+            reason = str(e.errors[0]).splitlines()[0].removeprefix("YAML syntax error: ")
             raise ConfigError(
                 [f"--set {item!r}: the value is not valid YAML ({reason}); quote it or fix the brackets"]
             ) from None

@@ -66,6 +66,9 @@ class Task:
     train_rows: ClassVar[int | None] = None
     eval_rows: ClassVar[int | None] = None
 
+    #: False for a task that generates its problems and never reads ``data_path`` (validate refuses one).
+    reads_data_path: ClassVar[bool] = True
+
     def __init__(self, data_path: str | None = None) -> None:
         self.data_path = data_path
 
@@ -127,6 +130,16 @@ class Task:
             for n, p in sig.parameters.items()
             if n not in ("self", "data_path") and p.kind == p.KEYWORD_ONLY
         }
+
+    @classmethod
+    def check_data_path(cls, data_path: str | None, path: str, errors: list[str]) -> None:
+        """An error line for a ``data_path`` given to a task that never reads one (it would be ignored)."""
+        if data_path is not None and not cls.reads_data_path:
+            valid = ", ".join(cls.param_spec()) or "(none)"
+            errors.append(
+                f"{path}: {cls.__name__} generates its problems and never reads a data file, so {data_path!r} "
+                f"would be ignored; remove it (or pick a task that reads one). Its params: {valid}"
+            )
 
     @classmethod
     def check_params(cls, params: dict[str, Any], path: str, errors: list[str]) -> None:

@@ -25,15 +25,19 @@ def load_rows(
     source: str, split: str, *, config: str | None = None, revision: str | None = None
 ) -> list[dict[str, Any]]:
     """Rows from a local file (jsonl/json/parquet/csv) or a hub dataset id. A local file that cannot be read (torn,
-    not of its type) raises DataFileError naming it, and for jsonl the first bad line."""
-    import datasets
-    import pyarrow as pa
-
+    not of its type) raises DataFileError naming it, and for jsonl the first bad line; so does a jsonl line over
+    MAX_ROW_BYTES, found before the file is parsed (:func:`check_row_sizes`)."""
     p = Path(source)
     if p.exists():
         kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(p.suffix)
         if kind is None:
             raise ValueError(f"{source}: unsupported data file type {p.suffix!r}; use .jsonl, .json, .parquet or .csv")
+        if p.suffix == ".jsonl":
+            check_row_sizes(p)
+    import datasets
+    import pyarrow as pa
+
+    if p.exists():
         try:
             with _quiet("datasets"):  # its own log of the failure (a traceback): the error below says it in a line
                 return list(datasets.load_dataset(kind, data_files=str(p), split="train"))
@@ -43,6 +47,23 @@ def load_rows(
                 "point the task's data_path to a whole one"
             ) from e
     return list(datasets.load_dataset(source, config, split=split, revision=revision))
+
+
+#: The largest line (one problem) of a jsonl data file, in bytes: no prompt a model can take is near it.
+MAX_ROW_BYTES = 8 << 20
+
+
+def check_row_sizes(path: Path) -> None:
+    """Raise DataFileError naming ``path`` and the line where a line of it is over MAX_ROW_BYTES (newline not
+    counted), reading at most MAX_ROW_BYTES + 1 bytes of any line (a file that is one huge line costs that much)."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(iter(lambda: f.readline(MAX_ROW_BYTES + 1), b""), 1):
+            if len(line.rstrip(b"\r\n")) > MAX_ROW_BYTES:
+                raise DataFileError(
+                    f"{path}: line {number} is over {MAX_ROW_BYTES:,} bytes, the most one row (one problem) may be: "
+                    "not a data file of problems one per line (a whole file on one line, or a wrong file?). Put one "
+                    "JSON object per line"
+                )
 
 
 @contextlib.contextmanager

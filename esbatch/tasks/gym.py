@@ -19,6 +19,7 @@ from esbatch.tasks.verify import (
 class _GymTask(Task):
     gym_name: ClassVar[str] = ""
     default_train_size: ClassVar[int] = 2000
+    reads_data_path: ClassVar[bool] = False  # reasoning-gym generates the problems
 
     def _gym_config(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -116,6 +117,7 @@ class CountdownTask(_GymTask):
 
     family = "countdown"
     gym_name = "countdown"
+    reads_data_path = True
 
     def __init__(
         self,

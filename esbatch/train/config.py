@@ -111,6 +111,7 @@ class TrainConfig(Schema):
             errors.append(f"task.name: {why}")
         else:
             TASKS.get(self.task.name).check_params(self.task.params, "task.params", errors)
+            TASKS.get(self.task.name).check_data_path(self.task.data_path, "task.data_path", errors)
         if self.backend.name != "vllm" and self.backend.engines != 1:
             errors.append(
                 f"backend.engines: {self.backend.engines} engines need backend.name: vllm (the {self.backend.name} "

@@ -150,6 +150,7 @@ class EvalTask(Schema):
             )
         else:
             TASKS.get(self.name).check_params(self.params, f"{path}.params", errors)
+            TASKS.get(self.name).check_data_path(self.data_path, f"{path}.data_path", errors)
 
 
 @dataclass
