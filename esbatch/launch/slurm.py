@@ -12,10 +12,12 @@ installed version or that function's signature changes, before the golden script
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,36 @@ def python_command(profile: LauncherProfile, sweep_dir: Path) -> str:
     args += ["-e", "SLURM_JOB_ID", "-e", "SLURM_ARRAY_JOB_ID", "-e", "SLURM_ARRAY_TASK_ID", "-e", "SLURMD_NODENAME"]
     quoted = " ".join(_q(a) for a in [*args, *c.options])
     return f'{quoted} --user "$(id -u):$(id -g)" -w {_q(str(sweep_dir))} {_q(c.image)} python'
+
+
+# image references apptainer pulls or looks up itself, not a file on a shared file system
+_IMAGE_URI = re.compile(
+    r"^(docker|docker-archive|docker-daemon|oci|oci-archive|oras|library|shub|http|https|instance)://"
+)
+
+
+def image_warning(profile: LauncherProfile, launcher: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """Why the profile's apptainer image may not be found by its tasks, or None: a .sif path that does not exist
+    here, on the machine that submits (the login node sees the cluster's shared file systems as the compute nodes
+    do). $VARS are expanded with this machine's environment (``environ``), as the job's shell will on the node."""
+    c = profile.container
+    if profile.cluster != "slurm" or c.runtime != "apptainer" or not c.image or _IMAGE_URI.match(c.image):
+        return None  # (the local launcher runs no container)
+    env = os.environ if environ is None else environ
+    where = f"container.image of the launcher profile {launcher}"
+    unset = [v for v in re.findall(r"\$\{?(\w+)\}?", c.image) if v not in env]
+    if unset:
+        names = ", ".join("$" + v for v in dict.fromkeys(unset))
+        return f"warning: {where}: {c.image} names {names}, unset here, so whether the image exists is not checked"
+    path = Path(re.sub(r"\$\{?(\w+)\}?", lambda m: env[m.group(1)], c.image)).expanduser()
+    if path.is_file():
+        return None
+    shown = c.image if str(path) == c.image else f"{c.image} (here: {path})"
+    what = "is not a file" if path.exists() else "does not exist"
+    return (
+        f"warning: {where}: {shown} {what} on this machine, so `apptainer exec` would fail in every task; build or "
+        "copy the .sif there first (docs/containers.md), or point image: at it"
+    )
 
 
 def sbatch_parameters(profile: LauncherProfile, job_name: str) -> dict[str, Any]:

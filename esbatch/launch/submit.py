@@ -22,7 +22,7 @@ from esbatch.launch.base import LAUNCHERS, launcher_for
 from esbatch.launch.cost import print_plan
 from esbatch.launch.disk import sweep_disk
 from esbatch.launch.evals import eval_disk_state, eval_progress, is_eval_key
-from esbatch.launch.slurm import job_state
+from esbatch.launch.slurm import image_warning, job_state
 from esbatch.launch.state import ACTIVE_STATES, RunState, SweepDir, combine, disk_state, folder_problem, now
 from esbatch.launch.sweep import Sweep
 from esbatch.launch.throughput import Table
@@ -320,6 +320,8 @@ def dry_run(sweep: Sweep, out: Any, table: Table | None = None) -> int:
     todo = [r.key for r in sweep.runs if not (existing.get(r.key) and existing[r.key].state in DONE_OR_ACTIVE)]
     eval_todo, _ = evals_to_submit(sweep, existing, todo, out)  # as the submission picks them, waiting ones named
     print("\n" + launcher_for(prof).describe(sd, sweep.name, len(todo) + len(eval_todo)), file=out)
+    if warning := image_warning(prof, sweep.launcher):
+        print(f"\n{warning}", file=out)
     if why := missing_vllm(sweep, todo + eval_todo):
         print(f"\nwould be refused: {why}", file=out)
     return 0
@@ -356,6 +358,8 @@ def _submit_sweep(sweep: Sweep, *, wait: bool, out: Any, table: Table | None = N
     if eval_todo:
         print(f"  and {len(eval_todo)} eval(s), {len(after)} of them after their run's training", file=out)
     _plan_of_submission(sweep, todo, eval_todo, table, out)
+    if warning := image_warning(sweep.profile, sweep.launcher):  # said before the jobs are in the queue
+        print(f"  {warning}", file=out)
     launcher = launcher_for(sweep.profile)
     if launcher.foreground:
         return _run_here(launcher, sd, sweep, todo + eval_todo, out, after)
