@@ -410,6 +410,29 @@ def config_location(name: str, gguf_file: str | None = None, revision: str | Non
     return src.path, {"revision": src.revision}
 
 
+def context_length(name: str, gguf_file: str | None = None, revision: str | None = None) -> int | None:
+    """The model's context in tokens (``max_position_embeddings`` of its config.json, or ``n_positions`` /
+    ``max_sequence_length``) where a local config.json says it; None where none is at hand (a hub id not
+    downloaded, a GGUF file): nothing is downloaded or loaded."""
+    try:
+        if model_problem(name, gguf_file):
+            return None
+        src = resolve_source(name, gguf_file, revision)
+        if src.gguf_file:
+            return gguf_context_length(Path(src.path) / src.gguf_file)
+        path = Path(src.path) / "config.json"
+        if not path.is_file():
+            return None
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError, struct.error):
+        return None
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if isinstance(cfg.get(key), int) and cfg[key] > 0:
+            return cfg[key]
+    return None
+
+
 def hf_parameter_shapes(model_dir: str, revision: str | None = None, **kwargs: Any) -> dict[str, list[int]]:
     """The HF parameter names and shapes (tied weights once), from the config alone (meta device, no weights).
     ``kwargs`` go to ``AutoConfig.from_pretrained`` (gguf_file, local_files_only)."""
@@ -500,6 +523,42 @@ def gguf_tensor_elements(path: str | Path) -> int:
         if off > len(buf):
             raise ValueError(f"{path}: truncated GGUF header")
         return total
+
+
+def gguf_context_length(path: str | Path) -> int | None:
+    """``<arch>.context_length`` from a GGUF file's metadata (v2/v3), read up to that key only; None if absent."""
+    import mmap
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF" or struct.unpack_from("<I", buf, 4)[0] not in (2, 3):
+            return None
+        n_kv, off = struct.unpack_from("<Q", buf, 16)[0], 24
+        ints = {4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
+
+        def skip(kind: int, off: int) -> int:
+            if kind in _GGUF_SCALARS:
+                return off + _GGUF_SCALARS[kind]
+            if kind == _GGUF_STRING:
+                return off + 8 + struct.unpack_from("<Q", buf, off)[0]
+            if kind == _GGUF_ARRAY:
+                item, n = struct.unpack_from("<IQ", buf, off)
+                off += 12
+                if item in _GGUF_SCALARS:
+                    return off + n * _GGUF_SCALARS[item]
+                for _ in range(n):
+                    off = skip(item, off)
+                return off
+            raise ValueError(f"{path}: unknown GGUF value type {kind}")
+
+        for _ in range(n_kv):
+            (length,) = struct.unpack_from("<Q", buf, off)
+            key = bytes(buf[off + 8 : off + 8 + length])
+            (kind,) = struct.unpack_from("<I", buf, off + 8 + length)
+            off += 8 + length + 4
+            if key.endswith(b".context_length") and kind in ints:
+                return int(struct.unpack_from(ints[kind], buf, off)[0])
+            off = skip(kind, off)
+    return None
 
 
 def _config_stamp(path: str, gguf_file: str | None) -> tuple[int, int, int] | None:

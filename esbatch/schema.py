@@ -26,6 +26,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from esbatch.registry import did_you_mean
@@ -67,6 +68,22 @@ def folder_name(v: Any) -> str:
     """Run and sweep names become folders under their output_dir: one path component, nothing that escapes."""
     if not isinstance(v, str) or not _FOLDER_NAME.match(v):
         raise Invalid(f"got {v!r}")
+    return v
+
+
+@expects("a folder path: no part of it that exists may be a file")
+def output_folder(v: Any) -> str | None:
+    """An output folder, created when a run starts: refused here where a file stands at it or above it (it could
+    never be made, and the run would fail after its model loaded). None (a default elsewhere) passes."""
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise Invalid(f"got {v!r}")
+    for p in [Path(v).expanduser(), *Path(v).expanduser().parents]:
+        if p.exists():
+            if not p.is_dir():
+                raise Invalid(f"got {v!r}: {p} is a file")
+            break
     return v
 
 

@@ -21,7 +21,7 @@ from esbatch.backends import BACKENDS
 from esbatch.config.loader import find, read_yaml
 from esbatch.config.run import parse_overrides
 from esbatch.registry import did_you_mean
-from esbatch.schema import ConfigError, Schema, build, deep_merge, setting
+from esbatch.schema import ConfigError, Schema, build, deep_merge, folder_name, output_folder, setting
 from esbatch.train.rundir import RunDir
 from esbatch.train.sections import (  # the run config's sections: in-training evals use them too
     BackendConfig,
@@ -48,8 +48,8 @@ class Sampling:
 @dataclass
 class EvalConfig(Schema):
     validate_always: ClassVar[bool] = True
-    name: str = setting("eval", "Output folder name under output_dir.")
-    output_dir: str = setting("esbatch-evals", "Where eval folders go.")
+    name: str = setting("eval", "Output folder name under output_dir.", check=folder_name)
+    output_dir: str = setting("esbatch-evals", "Where eval folders go.", check=output_folder)
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The model to evaluate."})
     checkpoint: str | None = setting(None, "A run folder: its config names the base model, its center the weights.")
     checkpoint_update: int | None = setting(
@@ -89,7 +89,10 @@ class EvalConfig(Schema):
         if self.checkpoint and not RunDir(self.checkpoint).exists():
             errors.append(f"checkpoint: {self.checkpoint} is not a run folder (no {RunDir.CONFIG} there)")
         if not self.checkpoint and not self.mlflow_run:  # else the run's own config names the model
-            model_errors(self.model, errors)
+            limits = {"sampling.max_new_tokens": self.sampling.max_new_tokens}
+            for i, t in enumerate(self.task_list()):
+                limits[f"tasks[{i}].max_new_tokens"] = t.max_new_tokens
+            model_errors(self.model, errors, limits)
         why = BACKENDS.unsupported(self.backend.name, "eval") if self.backend.name in BACKENDS else None
         if why:
             errors.append(f"backend.name: {self.backend.name} cannot run evaluations: {why}")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from esbatch.config.aggregate import parse_specs
-from esbatch.schema import ConfigError, Invalid, Schema, expects, flatten, folder_name, setting
+from esbatch.schema import ConfigError, Invalid, Schema, expects, flatten, folder_name, output_folder, setting
 
 
 @expects("an eval config name or path, or a non-empty list of them")
@@ -142,7 +142,9 @@ class SweepFile(Schema):
     )
     launcher: str | None = setting(None, "Launcher profile name or path (default: local).")
     launcher_overrides: dict = setting({}, "Fields of the launcher profile changed for this sweep.")
-    output_dir: str | None = setting(None, "Where the sweep folder goes (default: the base config's run.output_dir).")
+    output_dir: str | None = setting(
+        None, "Where the sweep folder goes (default: the base config's run.output_dir).", check=output_folder
+    )
     experiment: str | None = setting(None, "MLflow experiment (default: the sweep name).")
     aggregate: list | None = setting(None, "Tables and plots of `esbatch aggregate` (docs/sweeps-and-slurm.md).")
     max_runs: int = setting(

@@ -92,10 +92,13 @@ class TrainConfig(Schema):
     def validate(self, path: str, errors: list[str]) -> None:
         """Checks across the shared sections and against the registries (algorithms, tasks, backends, models);
         each algorithm's ``check`` adds its own."""
-        model_errors(self.model, errors)
-        out = Path(self.run.output_dir).expanduser()
-        if out.exists() and not out.is_dir():
-            errors.append(f"run.output_dir: {out} is a file; give a folder (it is created if missing)")
+        limits = {"generation.max_new_tokens": self.generation.max_new_tokens}
+        limits["eval.max_new_tokens"] = self.eval.max_new_tokens
+        for i, t in enumerate(self.eval.tasks):
+            limits[f"eval.tasks[{i}].max_new_tokens"] = (
+                t.get("max_new_tokens") if isinstance(t, dict) else getattr(t, "max_new_tokens", None)
+            )
+        model_errors(self.model, errors, limits)  # run.output_dir under a file: its setting's check
 
         why = ALGORITHMS.problem(self.algorithm)
         if why:

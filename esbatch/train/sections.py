@@ -11,9 +11,9 @@ from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 from esbatch.backends.config import BackendConfig
-from esbatch.models import ModelConfig, model_problem
+from esbatch.models import ModelConfig, context_length, model_problem
 from esbatch.registry import did_you_mean
-from esbatch.schema import Invalid, Schema, expects, folder_name, setting, stage_spans
+from esbatch.schema import Invalid, Schema, expects, folder_name, output_folder, setting, stage_spans
 from esbatch.tasks import TASKS
 
 # What a resumed run may change in the shared sections (algorithms add theirs: Algorithm.resumable): budgets
@@ -41,8 +41,12 @@ RESUMABLE = (
 @dataclass
 class RunConfig:
     name: str = setting("run", "Run name; the run directory is <output_dir>/<name>.", check=folder_name)
-    seed: int = setting(0, "Master seed: perturbation seeds, generation seeds and data order derive from it.")
-    output_dir: str = setting("esbatch-runs", "Folder holding run directories (config, checkpoints, logs).")
+    seed: int = setting(
+        0, "Master seed: perturbation seeds, generation seeds and data order derive from it.", ge=0, le=2**32 - 1
+    )
+    output_dir: str = setting(
+        "esbatch-runs", "Folder holding run directories (config, checkpoints, logs).", check=output_folder
+    )
     threads: int = setting(0, "torch CPU threads (0 = leave torch's default).", ge=0)
     nproc_per_node: int = setting(
         1,
@@ -65,6 +69,17 @@ class RunConfig:
     )
 
 
+#: The longest system prompt, in characters (see TaskConfig.system_prompt).
+MAX_SYSTEM_PROMPT = 20_000
+
+
+@expects(f"a string of at most {MAX_SYSTEM_PROMPT:,} characters, or null")
+def system_prompt(v: Any) -> str | None:
+    if v is not None and (not isinstance(v, str) or len(v) > MAX_SYSTEM_PROMPT):
+        raise Invalid(f"got {type(v).__name__} of {len(v):,} characters" if isinstance(v, str) else f"got {v!r}")
+    return v
+
+
 @dataclass
 class TaskConfig:
     name: str = setting("arithmetic", 'Registered task (see `esbatch ls`) or your own "package.module:Class".')
@@ -73,7 +88,12 @@ class TaskConfig:
     train_size: int | None = setting(None, "Training problems to use (None = all / the task's default).", ge=1)
     heldout_size: int = setting(64, "Held-out problems scored greedily during training (0 = none).", ge=0)
     few_shot: int = setting(0, "Solved demonstrations placed before each question as chat turns.", ge=0)
-    system_prompt: str | None = setting(None, "Override the task family's system prompt (paper App. G.5).")
+    system_prompt: str | None = setting(
+        None,
+        "Override the task family's system prompt (paper App. G.5); at most 20,000 characters (a few thousand "
+        "tokens: a longer one leaves no room in the context and exhausts memory).",
+        check=system_prompt,
+    )
 
 
 @dataclass
@@ -262,10 +282,19 @@ class CheckpointConfig:
     )
 
 
-def model_errors(model: ModelConfig, errors: list[str]) -> None:
-    """model.name must resolve (aliases and local folders now; hub ids when loaded); init_weights must exist."""
+def model_errors(model: ModelConfig, errors: list[str], token_limits: dict[str, int | None] | None = None) -> None:
+    """model.name must resolve (aliases and local folders now; hub ids when loaded); init_weights must exist;
+    each of ``token_limits`` (key -> max_new_tokens) must be at most the model's context where its files say it
+    (a limit over it cannot be generated: prompt and answer share the context)."""
     if why := model_problem(model.name, model.gguf_file):
         errors.append(f"model.name: {why}")
+    elif token_limits and (context := context_length(model.name, model.gguf_file, model.revision)):
+        for key, limit in token_limits.items():
+            if limit is not None and limit > context:
+                errors.append(
+                    f"{key}: {limit} tokens do not fit the context of {model.name} ({context} tokens, shared with "
+                    f"the prompt): give at most {context}, less by the prompt's length"
+                )
     if model.init_weights and not Path(model.init_weights).expanduser().is_file():
         errors.append(f"model.init_weights: {model.init_weights} is not a file (a center.safetensors)")
 
