@@ -42,7 +42,7 @@ from esbatch.eval.runner import EvalDir, evaluate
 from esbatch.grpo.config import GRPOConfig
 from esbatch.launch.base import LAUNCHERS
 from esbatch.launch.cost import load_table
-from esbatch.launch.state import SweepDir, folder_problem
+from esbatch.launch.state import SWEEP_RECORD_KEYS, SweepDir, folder_problem
 from esbatch.launch.submit import (
     BackendUnavailable,
     cancel_sweep,
@@ -300,8 +300,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return _err(f"{sd.path}: nothing submitted yet (no sweep.json). Submit with: esbatch sweep {args.sweep}")
     if args.follow:
         follow(sd)
-    meta = sd.read()
-    print(f"sweep {meta['name']} ({meta['launcher']}, {meta['cluster']}) in {sd.path}")
+    meta = sd.read(require=SWEEP_RECORD_KEYS)
+    print(f"sweep {meta['name']} ({meta.get('launcher', 'local')}, {meta.get('cluster', 'local')}) in {sd.path}")
     states = run_states(sd)
     print(format_table(states))
     for note in folder_notes(sd, states):

@@ -16,7 +16,7 @@ from esbatch.aggregate.evals import default_eval_analyses, load_evals
 from esbatch.aggregate.report import default_analyses, parse_analyses, write_report
 from esbatch.aggregate.results import RunResult
 from esbatch.config import flatten
-from esbatch.launch.state import RunState, SweepDir
+from esbatch.launch.state import SWEEP_RECORD_KEYS, RunState, SweepDir
 from esbatch.launch.submit import folder_notes, run_states
 from esbatch.tracking import MLflowTracker
 from esbatch.tracking.merge import find_child, merge_run
@@ -176,7 +176,8 @@ def aggregate(sweep_dir: str | Path) -> Path:
     sd = SweepDir(sweep_dir)
     if not sd.exists():
         raise FileNotFoundError(f"{sd.path}: not a sweep folder (no sweep.json); submit it with `esbatch sweep FILE`")
-    drain_all(sd.run_dir(r["key"]).path for r in sd.read().get("runs", []))  # MLflow writes kept in run folders
+    planned = sd.read(require=SWEEP_RECORD_KEYS)["runs"]
+    drain_all(sd.run_dir(r["key"]).path for r in planned)  # MLflow writes kept in run folders
     if sd.read().get("tracking") == "offline":
         merge_offline(sd)
     sd.ensure_parent_run()  # a sweep whose runs never logged still gets its parent run and report

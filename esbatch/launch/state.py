@@ -45,6 +45,10 @@ ACTIVE_STATES = {
 }
 
 
+#: Keys of sweep.json that `esbatch sweep` always writes and that status and aggregate read.
+SWEEP_RECORD_KEYS = ("name", "tracking_uri", "experiment", "runs")
+
+
 class SweepDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -67,19 +71,28 @@ class SweepDir:
             yield meta
             durable.write_text(self.meta_path, json.dumps(meta, indent=1))
 
-    def read(self) -> dict[str, Any]:
+    def read(self, require: tuple[str, ...] = ()) -> dict[str, Any]:
+        """sweep.json ({} before the first submission); a RunFolderError naming it when it is damaged, or (an
+        existing one) lacks a key of ``require`` (SWEEP_RECORD_KEYS: what every submission writes)."""
         if self.runs.exists() and not self.runs.is_dir():
             raise RunFolderError(
                 f"{self.runs}: not a folder, so no run of sweep {self.path} can be read. Move it aside (mv {self.runs} "
                 f"{self.runs}.damaged) and restore the runs folder, or submit the sweep again to retrain every run."
             )
+        exists = self.meta_path.exists()
+
+        def valid(m: dict[str, Any]) -> str:
+            if missing := [k for k in require if k not in m] if exists else []:
+                return f"it lacks {', '.join(repr(k) for k in missing)}, which every submission writes"
+            return "" if isinstance(m.get("runs", []), list) else "its 'runs' is not a list"
+
         return read_json_object(
             self.meta_path,
             "a valid sweep record",
             f"Move it aside (mv {self.meta_path} {self.meta_path}.damaged) and submit the sweep file again: the "
             f"plan is rewritten and the run folders in {self.runs} are kept and resumed (jobs it had queued are no "
             "longer tracked: cancel them first).",
-            valid=lambda m: "" if isinstance(m.get("runs", []), list) else "its 'runs' is not a list",
+            valid=valid,
         )
 
     def unplanned(self) -> list[str]:
@@ -118,7 +131,7 @@ class SweepDir:
     def ensure_parent_run(self) -> str:
         """The sweep's MLflow parent run: created by whoever needs it first (a task, or the aggregator),
         under the sweep lock, so submitting never waits for MLflow to create its store."""
-        meta = self.read()
+        meta = self.read(require=SWEEP_RECORD_KEYS)
         if meta.get("parent_run_id"):
             return meta["parent_run_id"]
         with self.locked() as m:
@@ -163,7 +176,8 @@ STARTING = {".lock", "task.log"}  # what a task writes before the run's config.y
 
 def folder_problem(rd: RunDir) -> str | None:
     """Why ``rd`` is not a readable run folder (None when it is one, or not there yet): the one message that
-    `esbatch status`, `sweep` and `aggregate` give for it."""
+    `esbatch status`, `sweep` and `aggregate` give for it. A folder that resume would refuse (``check_resume``:
+    its log.jsonl deleted next to a checkpoint, a log behind its checkpoint) is damaged here too: one verdict."""
     if not rd.path.exists():
         return None
     if not rd.path.is_dir():
@@ -178,6 +192,7 @@ def folder_problem(rd: RunDir) -> str | None:
         return None
     try:
         rd.read_meta()
+        rd.check_resume()
     except RunFolderError as e:
         return str(e)
     return None
