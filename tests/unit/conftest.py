@@ -21,8 +21,28 @@ class ProcessStarted(AssertionError):
     """A unit test started a process: move it to tests/integration (or start the helper once per session)."""
 
 
+_started: list[bool] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session) -> None:
+    """Start the helpers before the first test, so that no test's time includes them (scripts/test.sh names the
+    unit cases over 1 s); not in pytest-xdist's controller, which runs no test."""
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
+        return
+    if any("unit" in item.path.parts for item in session.items):
+        _start_helpers()
+
+
 @pytest.fixture(scope="session")
 def _session_helpers() -> None:
+    _start_helpers()
+
+
+def _start_helpers() -> None:
+    if _started:
+        return
+    _started.append(True)
     import matplotlib.font_manager  # noqa: F401 - on a fresh machine its import runs `fc-list` to build the font cache
     import mlflow.tracking  # noqa: F401 - its import runs `uname -p` once (platform.platform())
 
