@@ -77,13 +77,54 @@ def _empty_store_template() -> Path | None:
     return tmpl
 
 
+_SOUND: set[tuple[Path, int]] = set()  # (store, inode) this process found whole: seed_sqlite checks each once
+
+
+def half_made(db: Path, tmpl: Path) -> str | None:
+    """Why ``db`` is a store whose creation stopped partway (a full disk, a kill during MLflow's migrations, which
+    are not transactional: every later open fails with "table scorers already exists"), or None. Half-made: its
+    schema revision is not the template's and nothing was logged in it (no run, no experiment but Default). A
+    store with runs in it, or one sqlite cannot read, is left to MLflow's own error (TrackingStoreError)."""
+    try:
+        with contextlib.closing(sqlite3.connect(tmpl)) as con:
+            head = con.execute("SELECT version_num FROM alembic_version").fetchall()
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+            def rows(sql: str, table: str) -> list[Any]:
+                return con.execute(sql).fetchall() if table in tables else []
+
+            have = rows("SELECT version_num FROM alembic_version", "alembic_version")
+            if have == head:
+                return None
+            if rows("SELECT 1 FROM runs LIMIT 1", "runs") or rows(
+                "SELECT 1 FROM experiments WHERE experiment_id != 0 LIMIT 1", "experiments"
+            ):
+                return None
+    except sqlite3.Error:
+        return None
+    found = have[0][0] if have else "none"
+    return f"an MLflow store whose creation stopped partway (schema revision {found}, not {head[0][0]}; no runs)"
+
+
 def seed_sqlite(db: Path) -> None:
     """Start a new sqlite store at ``db`` as a copy of the empty-store template, with the Default experiment's
     location and times as MLflow would have written them. Creating the schema runs MLflow's migrations (2-3 s,
     once per sweep and once per run with offline tracking); the copy takes milliseconds. Called under the store's
-    lock; nothing happens when ``db`` exists or MLflow's workspaces are on (a different schema)."""
-    if db.exists() or os.environ.get("MLFLOW_ENABLE_WORKSPACES", "").lower() in ("1", "true"):
+    lock; nothing happens when ``db`` exists (checked once per process: a half-made one, ``half_made``, is moved
+    aside to ``<db>.half-made`` and made again) or MLflow's workspaces are on (a different schema)."""
+    if os.environ.get("MLFLOW_ENABLE_WORKSPACES", "").lower() in ("1", "true"):
         return
+    if db.exists():
+        if (db, db.stat().st_ino) in _SOUND:
+            return
+        tmpl = _empty_store_template()
+        if tmpl is None or not (why := half_made(db, tmpl)):
+            _SOUND.add((db, db.stat().st_ino))
+            return
+        aside = db.with_name(f"{db.name}.half-made")
+        os.replace(db, aside)
+        print(f"warning: {db}: {why}; moved aside to {aside} and made again", file=sys.stderr)
     tmpl = _empty_store_template()
     if tmpl is None:
         return
