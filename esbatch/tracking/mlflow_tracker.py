@@ -245,6 +245,13 @@ class MLflowTracker:
 
     def _experiment(self, experiment: str, uri: str, artifact_root: str | Path | None) -> str:
         exp = self.client.get_experiment_by_name(experiment)
+        if exp is not None and exp.lifecycle_stage == "deleted":  # its runs could not be logged to, or resumed
+            self.client.restore_experiment(exp.experiment_id)  # with the runs deleted with it
+            print(
+                f"warning: MLflow experiment {experiment!r} in {uri} was deleted; restored it (and its runs) to log "
+                "this run. Delete it again afterwards, or set tracking.experiment to log elsewhere",
+                file=sys.stderr,
+            )
         if exp is None:
             loc = None
             if artifact_root is not None and uri.startswith("sqlite:"):
@@ -268,11 +275,9 @@ class MLflowTracker:
         from mlflow.entities import Param, RunTag
 
         with self._lock():
-            if run_id is not None and not self._known(run_id):
+            if run_id is not None and (gone := self._gone(run_id)):
                 print(
-                    f"warning: MLflow run {run_id} is not in {self.uri} (a moved run folder or another store); "
-                    "logging the resumed run as a new MLflow run",
-                    file=sys.stderr,
+                    f"warning: MLflow run {run_id} {gone}; logging the resumed run as a new MLflow run", file=sys.stderr
                 )
                 run_id = None
             if run_id is not None:
@@ -289,16 +294,19 @@ class MLflowTracker:
                 self.client.log_batch(self.run_id, params=items[i : i + 100])
         return self.run_id
 
-    def _known(self, run_id: str) -> bool:
+    def _gone(self, run_id: str) -> str | None:
+        """Why the run to resume cannot be logged to (not in this store, or deleted), or None."""
         from mlflow.exceptions import MlflowException
 
         try:
-            self.client.get_run(run_id)
+            run = self.client.get_run(run_id)
         except MlflowException as e:
             if transient(e):
                 raise  # the store is busy, not missing the run: try again
-            return False
-        return True
+            return f"is not in {self.uri} (a moved run folder or another store)"
+        if run.info.lifecycle_stage == "deleted":
+            return f"was deleted from {self.uri}"
+        return None
 
     def _lock(self) -> contextlib.AbstractContextManager[None]:
         """Writers to one sqlite file take turns (many array tasks may log at once); servers need no lock."""

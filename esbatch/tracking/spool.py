@@ -214,8 +214,7 @@ def send(client: Any, recs: Iterable[dict[str, Any]]) -> int:
         rid = r["run_id"]
         if rid not in known:
             try:
-                client.get_run(rid)
-                known[rid] = True
+                known[rid] = client.get_run(rid).info.lifecycle_stage != "deleted"  # a deleted run takes no writes
             except MlflowException as e:
                 if e.error_code != "RESOURCE_DOES_NOT_EXIST":
                     raise
@@ -254,7 +253,7 @@ def send(client: Any, recs: Iterable[dict[str, Any]]) -> int:
         gone = sorted(k for k, v in known.items() if not v)
         print(
             f"warning: {dropped} spooled tracking writes of MLflow runs {', '.join(gone)} not sent: the store does "
-            "not know these runs (the run folder's log.jsonl and eval.jsonl keep the metrics)",
+            "not know these runs, or they were deleted (the run folder's log.jsonl and eval.jsonl keep the metrics)",
             file=sys.stderr,
         )
     return sent
