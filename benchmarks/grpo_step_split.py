@@ -1,5 +1,6 @@
-"""A GRPO step split into rollout, weight load and training, vLLM rollouts against HF rollouts; then the weight
-load alone against model size. fp32, CPU, in the vLLM environment (it has DeepSpeed too):
+"""A GRPO step split into rollout, weight load and training, vLLM rollouts (the engine in the trainer's process,
+backend.policy_engine: in_process, and in its own, separate) against HF rollouts; then the weight load alone
+against model size. fp32, CPU, in the vLLM environment (it has DeepSpeed too):
 
     .venv-vllm/bin/python benchmarks/grpo_step_split.py [--models tiny smollm2] [--steps 2] [--batch 2] [--group 4]
 
@@ -10,8 +11,9 @@ responses, --tokens tokens, temperature 0.7). One untimed step, then --steps ste
 logs it: rollout (time/generation_s), weight load into the engine before it (time/weight_sync_s; nothing to load
 for hf, which generates from the trained module) and training (time/train_s: forward/backward and the optimizer
 step); medians. "setup" is GRPOTrainer.setup (with vllm: the engine start and first load). Last, the weight load
-alone (VLLMPolicy.load_policy of every tensor: cast, packed into the RPC, copied into the engine's views, prefix
-cache reset), median of 5, per model size. vLLM's own log goes to stdout too; the tables come last.
+alone (VLLMPolicy.load_policy of every tensor: cast, handed over as tensors in process or packed into the RPC,
+copied into the engine's views, prefix cache reset, sampled coordinates checked), median of 5, per model size,
+in GB/s (2^30 bytes). Each (model, backend) runs in a process of its own; the tables come last.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ def model_dir(name: str, tmp: str) -> str:
     return str(make_tiny_model(Path(tmp) / name, hidden=128, heads=2))
 
 
+BACKENDS = {"vllm": ("vllm", "in_process"), "vllm-separate": ("vllm", "separate"), "hf": ("hf", None)}
+
+
 def trainer(model: str, backend: str, args: argparse.Namespace) -> Any:
     from esbatch.config import load_config
 
@@ -55,7 +60,8 @@ def trainer(model: str, backend: str, args: argparse.Namespace) -> Any:
         "grpo.group_size": args.group,
         "grpo.batch_size": args.batch,
         "grpo.updates": 100,
-        "backend.name": backend,
+        "backend.name": BACKENDS[backend][0],
+        **({"backend.policy_engine": BACKENDS[backend][1]} if BACKENDS[backend][1] else {}),
         "backend.kv_cache_gb": 1,
         "backend.max_model_len": 256,
         **({"backend.gpu_memory_utilization": 0.3} if args.device == "cuda" else {}),  # DeepSpeed shares the GPU
@@ -96,7 +102,7 @@ def split(model: str, backend: str, args: argparse.Namespace) -> dict[str, float
     out = {"setup_s": time.perf_counter() - t0}
     try:
         out.update(step_parts(tr, args.steps))
-        if backend == "vllm":
+        if backend != "hf":
             params = list(tr.engine.module.named_parameters())
             out["mb"] = sum(p.numel() * p.element_size() for _, p in params) / 2**20
             times = []
@@ -121,38 +127,54 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="grpo.group_size G")
     ap.add_argument("--tokens", type=int, default=16, help="generation.max_new_tokens")
     ap.add_argument("--threads", type=int, default=2, help="run.threads (torch threads of the trainer)")
+    ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     args = ap.parse_args()
 
-    import torch
+    import json
+    import subprocess
 
-    from esbatch.grpo.trainer import init_distributed
-
-    init_distributed(args.device)
     res: dict[tuple[str, str], dict[str, float]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models:
-            path = model_dir(name, tmp)
-            for backend in ("vllm", "hf"):
-                res[name, backend] = split(path, backend, args)
-                print(f"  {name} {backend}: {res[name, backend]}", file=sys.stderr, flush=True)
-    torch.distributed.destroy_process_group()
+    if len(args.models) * len(args.backends) > 1:  # each in a process of its own: an engine in the trainer's
+        # process binds its threads (vLLM's CPU worker), which would slow whatever the process measured next
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in args.models:
+                for backend in args.backends:
+                    out = Path(tmp) / "one.json"
+                    cmd = [sys.executable, __file__, "--models", name, "--backends", backend, "--json", str(out)]
+                    for flag in ("device", "dtype", "steps", "batch", "group", "tokens", "threads"):
+                        cmd += [f"--{flag}", str(getattr(args, flag))]
+                    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                    (r,) = json.loads(out.read_text())
+                    res[name, backend] = {k: v for k, v in r.items() if k not in ("model", "backend")}
+    else:
+        import torch
+
+        from esbatch.grpo.trainer import init_distributed
+
+        init_distributed(args.device)
+        with tempfile.TemporaryDirectory() as tmp:
+            (name,), (backend,) = args.models, args.backends
+            res[name, backend] = split(model_dir(name, tmp), backend, args)
+        torch.distributed.destroy_process_group()
+    for (name, backend), r in res.items():
+        print(f"  {name} {backend}: {r}", file=sys.stderr, flush=True)
 
     if args.json:
-        import json
-
         Path(args.json).write_text(json.dumps([{"model": n, "backend": b, **r} for (n, b), r in res.items()]))
     shape = f"B={args.batch} x G={args.group}, {args.tokens} tokens, {args.dtype}, {args.threads} threads"
     print(f"\nGRPO step split (s, median of {args.steps} steps; {shape})")
-    print(f"{'model':<9}{'rollouts':<9}{'rollout':>9}{'load':>8}{'train':>8}{'step':>8}{'setup':>8}")
+    print(f"{'model':<9}{'rollouts':<14}{'rollout':>9}{'load':>8}{'train':>8}{'step':>8}{'/ hf':>7}{'setup':>8}")
     for (name, backend), r in res.items():
         step = r["rollout"] + r["load"] + r["train"]
-        row = f"{name:<9}{backend:<9}{r['rollout']:>9.3f}{r['load']:>8.3f}{r['train']:>8.3f}{step:>8.3f}"
+        hf = res.get((name, "hf"))
+        ratio = step / (hf["rollout"] + hf["load"] + hf["train"]) if hf else float("nan")
+        row = f"{name:<9}{backend:<14}{r['rollout']:>9.3f}{r['load']:>8.3f}{r['train']:>8.3f}{step:>8.3f}{ratio:>7.2f}"
         print(row + f"{r['setup_s']:>8.1f}")
     print("\nweight load into the vLLM engine (all tensors, median of 5)")
-    print(f"{'model':<9}{'MB fp32':>9}{'load s':>9}{'MB/s':>8}")
+    print(f"{'model':<9}{'engine':<14}{'MB':>9}{'load s':>9}{'GB/s':>8}")
     for (name, backend), r in res.items():
-        if backend == "vllm":
-            print(f"{name:<9}{r['mb']:>9.1f}{r['load_only']:>9.4f}{r['mb'] / r['load_only']:>8.0f}")
+        if backend != "hf":
+            print(f"{name:<9}{backend:<14}{r['mb']:>9.1f}{r['load_only']:>9.4f}{r['mb'] / 1024 / r['load_only']:>8.2f}")
 
 
 if __name__ == "__main__":

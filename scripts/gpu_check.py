@@ -199,10 +199,18 @@ def grpo_rows(args: argparse.Namespace, tmp: Path, timeout: float) -> list[Row]:
     step = {b: r["rollout"] + r["load"] + r["train"] for b, r in got.items()}
     v = got["vllm"]
     measured = (
-        f"vllm: rollout {v['rollout']:.2f} + load {v['load']:.2f} + train {v['train']:.2f} s; "
+        f"vllm (engine in process): rollout {v['rollout']:.2f} + load {v['load']:.2f} + train {v['train']:.2f} s; "
         f"hf: rollout {got['hf']['rollout']:.2f} + train {got['hf']['train']:.2f} s"
     )
-    return [Row(what, measured, "hf step / vllm step", step["hf"] / step["vllm"])]
+    rows = [Row(what, measured, "hf step / vllm step", step["hf"] / step["vllm"])]
+    for b, where in (("vllm", "in the trainer's process"), ("vllm-separate", "its own process (packed RPC)")):
+        if b in got:  # the weight sync alone: every tensor, bucketed, copied in and checked (median of 5)
+            r = got[b]
+            gbs = r["mb"] / 1024 / r["load_only"]
+            rows.append(
+                Row(f"GRPO weight sync, engine {where}", f"{r['mb']:.0f} MB in {r['load_only']:.3f} s", "GB/s", gbs)
+            )
+    return rows
 
 
 def identity_row(model: str) -> Row:

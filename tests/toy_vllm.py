@@ -1,5 +1,7 @@
 """vLLM test helpers (tests/vllm_cpu): the tiny-model `esbatch train` config those tests share, a worker
-extension that stops answering once, and a task recording the responses it scores (RecordingDigitTask).
+extension that stops answering once, one that ignores weight loads (IgnoringLoadsWorkerExtension: it answers a
+GRPO weight sync as if it had copied the tensors, and keeps its old weights), and a task recording the responses
+it scores (RecordingDigitTask).
 
 ``HangingWorkerExtension``, for tests/vllm_cpu/test_vllm_hang.py (selected with backend.worker_extension:
 toy_vllm:HangingWorkerExtension; imported inside the engine's worker process). Set in the environment of the run
@@ -40,6 +42,11 @@ class HangingWorkerExtension(ESWorkerExtension):
                 _forever()
             self.execute_model = _forever  # the worker's own method, which vLLM calls by name for every step
         return super().es_perturb(seed, scale)
+
+
+class IgnoringLoadsWorkerExtension(ESWorkerExtension):
+    def es_set_weights(self, weights) -> dict[str, Any]:  # noqa: ANN001 - the RPC table types it
+        return {"tensors": len(weights), "elements": 0}
 
 
 def tiny_config(tmp: Path, model: Path, name: str, engines: int = 1, **es: object) -> Path:

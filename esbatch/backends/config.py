@@ -28,6 +28,13 @@ class BackendConfig:
     max_model_len: int | None = setting(None, "vllm: context length to reserve KV cache for (default: the model's).")
     prefix_caching: bool = setting(True, "vllm: reuse shared prompt prefixes; reset after every weight change.")
     cuda_graphs: bool = setting(True, "vllm on GPU: capture CUDA graphs (false = eager mode). Ignored on CPU.")
+    policy_engine: str = setting(
+        "in_process",
+        "vllm, GRPO rollouts: in_process runs each rank's engine in the rank's own process (external_launcher over "
+        "several ranks) and copies the policy's tensors in with no serialization; separate: in its own process, "
+        "the tensors packed through collective_rpc.",
+        choices=("in_process", "separate"),
+    )
     worker_extension: str = setting(
         "esbatch.backends.vllm_worker:ESWorkerExtension",
         "vllm: the class mixed into each engine's worker that moves its weights (package.module:Class, a "

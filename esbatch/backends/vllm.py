@@ -295,12 +295,13 @@ class VLLMBackend(ESBackend):
         return gen
 
     # ---------------------------------------------------------------- rpc plumbing
-    def _rpc(self, e: int, call: WorkerCall, *args: Any) -> dict[str, Any]:
-        """``call`` (an entry of the RPC table, esbatch/backends/vllm_rpc.py) on engine ``e``'s worker."""
+    def _rpc(self, e: int, call: WorkerCall, *args: Any, note: str = "") -> dict[str, Any]:
+        """``call`` (an entry of the RPC table, esbatch/backends/vllm_rpc.py) on engine ``e``'s worker; ``note``
+        completes what a hang reports it was waiting on (e.g. which bucket of a weight sync)."""
         call.check_args(args)
         method = call.method
         # one worker per engine (no tensor parallel); the watchdog ends a hang, the timeout is a backstop behind it
-        with watchdog.waiting_on(f"vLLM engine {e}: RPC {method} (collective_rpc)"):
+        with watchdog.waiting_on(f"vLLM engine {e}: RPC {method} (collective_rpc){note}"):
             try:
                 (res,) = self.engines[e].collective_rpc(method, timeout=self._rpc_backstop_s, args=args)
             except Exception as err:  # vLLM raises a bare Exception("Call to collective_rpc method failed: ...")

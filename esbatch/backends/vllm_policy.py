@@ -6,17 +6,26 @@ optimizer step (ZeRO 0-2), each loads its own engine with no communication. On G
 GPU (backend.gpu_memory_utilization is its share: leave DeepSpeed room); on CPU it runs on the rank's share of
 the cores. backend.engines is ES's (one engine per rank here).
 
+Where the engine runs (backend.policy_engine): ``in_process`` (default), vLLM's engine core and worker inside the
+rank's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0; with several ranks, vLLM's external_launcher on the ranks'
+process group, each rank an independent engine, as TRL's colocate mode): ``load_policy`` hands the trainer's
+tensors themselves to the worker, which copies them into its weights (CPU: one memory copy; GPU: device to
+device). ``separate``: the engine in its own EngineCore process; the tensors are packed to bytes and travel
+through collective_rpc (msgpack, then the executor's queue), the path ES engines use.
+
 The engine starts on the run's model files and keeps no ES state (es_policy_setup: HF-named views of its
-weights, no fp32 center). ``load_policy`` copies the trainer's tensors in by HF name: cast to the engine's dtype,
-they travel through vLLM's collective_rpc (msgpack to the EngineCore, the executor's message queue to the
-worker) in buckets of at most ``bucket_mb``, and no file is written; the prefix cache is reset after each
-bucket (WorkerCall.SET_WEIGHTS moves weights). Generation is VLLMBackend's: ES's per-prompt seeds.
+weights, no fp32 center). A sync moves the weights in buckets of at most ``bucket_mb`` (one RPC each, never one
+per tensor), each named to the watchdog (engine, bucket k of n, MB) so a hang says where it stopped; the prefix
+cache is reset after the load (WorkerCall.SET_WEIGHTS moves weights); then the engine's values at sampled
+coordinates of every loaded tensor are compared with the trainer's, and a difference stops the run
+(StaleEngineError) instead of letting it train on rollouts of stale weights.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,20 +33,37 @@ import torch
 
 from esbatch.backends.config import ESSetup
 from esbatch.backends.vllm import VLLMBackend
-from esbatch.backends.vllm_rpc import Packed, WorkerCall, pack
+from esbatch.backends.vllm_rpc import WorkerCall, pack, unpack
 from esbatch.models import model_path
+from esbatch.perturb.inplace import coordinate_sample
+
+CHECK_PER_TENSOR = 8  # sampled coordinates per tensor compared after every sync
+
+
+class StaleEngineError(RuntimeError):
+    """The engine's weights differ from the trainer's after a sync: its rollouts would come from stale weights."""
 
 
 class VLLMPolicy(VLLMBackend):
     """One vLLM engine generating with the policy a GRPO rank trains (module docstring)."""
 
     def __init__(
-        self, model_dir: str, *, local_rank: int = 0, local_world: int = 1, bucket_mb: int = 256, **options: Any
+        self,
+        model_dir: str,
+        *,
+        local_rank: int = 0,
+        local_world: int = 1,
+        bucket_mb: int = 256,
+        in_process: bool = True,
+        **options: Any,
     ) -> None:
         """``local_rank`` of ``local_world`` ranks on this node: which GPU, or which share of the cores, the
-        engine takes. ``options``: VLLMBackend's (its ``engines`` is 1)."""
+        engine takes; ``in_process``: backend.policy_engine (module docstring). ``options``: VLLMBackend's (its
+        ``engines`` is 1)."""
         self.local_rank, self.local_world = local_rank, local_world
         self.bucket_bytes = bucket_mb << 20
+        self.in_process = in_process
+        self.last_sync: dict[str, float] = {}  # the last load_policy: seconds, bytes, buckets, checked coordinates
         super().__init__(model_dir, **{**options, "engines": 1})
 
     def _setup_workers(self, track_drift: bool, noise: str, master: str) -> None:
@@ -45,8 +71,21 @@ class VLLMPolicy(VLLMBackend):
         self.engine_dtype = getattr(torch, res["dtype"])
 
     def _engine_envs(self, engines: int, on_gpu: bool, kv_cache_gb: int) -> list[dict[str, str]]:
-        """This rank's engine environment: VLLMBackend's for engine ``local_rank`` of ``local_world``."""
-        return super()._engine_envs(self.local_world, on_gpu, kv_cache_gb)[self.local_rank : self.local_rank + 1]
+        """This rank's engine environment: VLLMBackend's for engine ``local_rank`` of ``local_world``; in process,
+        vLLM's engine core in this process."""
+        (env,) = super()._engine_envs(self.local_world, on_gpu, kv_cache_gb)[self.local_rank : self.local_rank + 1]
+        if self.in_process:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        return [env]
+
+    def _start_engines(self, vllm: Any, envs: list[dict[str, str]], options: dict[str, Any]) -> None:
+        """In process under several ranks: vLLM's external_launcher, which takes the ranks' process group as its
+        world instead of starting its own (each rank's engine generates on its own, tensor-parallel size 1)."""
+        import torch.distributed as dist
+
+        if self.in_process and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            options = {**options, "distributed_executor_backend": "external_launcher"}
+        super()._start_engines(vllm, envs, options)
 
     @classmethod
     def for_policy(cls, module: Any, tokenizer: Any, setup: ESSetup) -> VLLMPolicy:
@@ -60,21 +99,85 @@ class VLLMPolicy(VLLMBackend):
             )
         path, rev = model_path(m.name, m.gguf_file, m.revision)
         local = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        gen = cls(path, revision=rev, local_rank=local[0], local_world=local[1], **cls.es_options(setup))
+        in_process = setup.backend.policy_engine == "in_process"
+        gen = cls(
+            path,
+            revision=rev,
+            local_rank=local[0],
+            local_world=local[1],
+            in_process=in_process,
+            **cls.es_options(setup),
+        )
         gen.load_policy(module.named_parameters())
         return gen
 
     def load_policy(self, params: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy ``params`` (HF name, tensor) into the engine, ``bucket_bytes`` at a time, without a file."""
-        bucket: dict[str, Packed] = {}
-        size = 0
-        with torch.no_grad():
-            for name, p in params:
-                t = p.detach().to("cpu", self.engine_dtype)  # no copy for a CPU tensor in that dtype
-                if bucket and size + t.nbytes > self.bucket_bytes:
-                    self._rpc(0, WorkerCall.SET_WEIGHTS, bucket)
-                    bucket, size = {}, 0
-                bucket[name] = pack(t)
-                size += t.nbytes
-            if bucket:
-                self._rpc(0, WorkerCall.SET_WEIGHTS, bucket)
+        """Copy ``params`` (HF name, tensor) into the engine, ``bucket_bytes`` at a time, without a file, then check
+        that the engine holds them (module docstring). Raises StaleEngineError when it does not."""
+        t0 = time.perf_counter()
+        on_cpu = not self.in_process or not torch.cuda.is_available()
+        device = "cpu" if on_cpu else torch.device("cuda", torch.cuda.current_device())
+        with torch.no_grad():  # no copy for a tensor already in the engine's dtype and place
+            tensors = [(name, p.detach().to(device, self.engine_dtype)) for name, p in params]
+        buckets: list[dict[str, Any]] = []
+        sizes: list[int] = []
+        for name, t in tensors:
+            if not buckets or (buckets[-1] and sizes[-1] + t.nbytes > self.bucket_bytes):
+                buckets.append({})
+                sizes.append(0)
+            buckets[-1][name] = t if self.in_process else pack(t)
+            sizes[-1] += t.nbytes
+        for k, (bucket, size) in enumerate(zip(buckets, sizes)):
+            note = f", weight sync bucket {k + 1} of {len(buckets)}, {size / 2**20:.0f} MB"
+            self._rpc(0, WorkerCall.SET_WEIGHTS, bucket, note=note)
+        checked = self.check_policy(tensors)
+        self.last_sync = {
+            "seconds": time.perf_counter() - t0,
+            "bytes": sum(sizes),
+            "buckets": len(buckets),
+            "checked": checked,
+        }
+
+    def check_policy(self, tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Compare the engine's weights with ``tensors`` (HF name, the trainer's tensor in the engine's dtype) at
+        CHECK_PER_TENSOR sampled coordinates of each; the number compared. StaleEngineError names the first
+        tensors that differ."""
+        if not tensors:
+            return 0
+        names = [n for n, _ in tensors]
+        res = self._rpc(0, WorkerCall.SAMPLE, CHECK_PER_TENSOR, names, note=", checking the weight sync")
+        engine = unpack(res["sample"]).to(torch.float64)
+        ours = coordinate_sample(dict(tensors), CHECK_PER_TENSOR)
+        if engine.shape != ours.shape or not torch.equal(engine, ours):
+            bad, at, numel = [], 0, {n: t.numel() for n, t in tensors}
+            for name in sorted(names):  # coordinate_sample's order: names sorted, each its share
+                k = min(CHECK_PER_TENSOR, numel[name])
+                if engine.shape == ours.shape and not torch.equal(engine[at : at + k], ours[at : at + k]):
+                    bad.append(name)
+                at += k
+            raise StaleEngineError(
+                f"vLLM engine 0 (GRPO rollouts, {'in process' if self.in_process else 'separate process'}): after "
+                f"the weight sync its weights differ from the trainer's at sampled coordinates of "
+                f"{len(bad) or 'all'} of {len(names)} tensors (first: {', '.join(bad[:3]) or 'shape mismatch'}); "
+                "its rollouts would come from stale weights, so the run stops here"
+            )
+        return int(ours.numel())
+
+    def close(self) -> None:
+        """Stop the engine. In process, vLLM's engine shutdown would also destroy torch.distributed's default process
+        group (vllm/distributed/parallel_state.py:destroy_distributed_environment, meant for an EngineCore process
+        of its own), which is the trainer's (DeepSpeed's): only vLLM's own groups go."""
+        if not self.in_process:
+            return super().close()
+        import vllm.distributed.parallel_state as ps
+
+        def vllm_groups_only() -> None:
+            if ps._WORLD:
+                ps._WORLD.destroy()
+            ps._WORLD = None
+
+        keep, ps.destroy_distributed_environment = ps.destroy_distributed_environment, vllm_groups_only
+        try:
+            super().close()
+        finally:
+            ps.destroy_distributed_environment = keep

@@ -78,7 +78,7 @@ class WorkerCall(Enum):
     CHECKSUM = Call("es_checksum")
     # es.restore: inplace: replay an update's perturb/restore cycles; the engine's weights at sampled coordinates
     CYCLES = Call("es_cycles", (("members", list[tuple[int, float]]),), moves_weights=True)
-    SAMPLE = Call("es_sample", (("per_tensor", int),))
+    SAMPLE = Call("es_sample", (("per_tensor", int), ("names", list[str] | None)), optional=1)
     SAVE = Call("es_save", (("path", str), ("which", str)), optional=1)
     LOAD = Call("es_load", (("path", str),), moves_weights=True)
     MEMORY = Call("es_memory")
@@ -89,7 +89,8 @@ class WorkerCall(Enum):
     # GRPO rollouts (esbatch/backends/vllm_policy.py): views of the engine's weights without an ES center, and
     # the trainer's new weights copied in by HF name, the tensors passing through the RPC itself (no file)
     POLICY_SETUP = Call("es_policy_setup", (("hf_shapes", dict[str, list[int]]),))
-    SET_WEIGHTS = Call("es_set_weights", (("weights", dict[str, Packed]),), moves_weights=True)
+    # the trainer's tensors, packed (an engine in its own process) or as they are (an engine in this process)
+    SET_WEIGHTS = Call("es_set_weights", (("weights", dict[str, Packed | torch.Tensor]),), moves_weights=True)
 
     @property
     def method(self) -> str:

@@ -135,9 +135,15 @@ class ESWorkerExtension:
         return {}
 
     @_safe
-    def es_sample(self, per_tensor: int) -> dict[str, Any]:
-        """The weights at the coordinates every engine samples (esbatch/perturb/inplace.py:coordinate_sample)."""
-        dtype, shape, data = pack(coordinate_sample(self.es.live, per_tensor))
+    def es_sample(self, per_tensor: int, names: list[str] | None = None) -> dict[str, Any]:
+        """The weights (``names`` only, if given) at the coordinates every engine samples
+        (esbatch/perturb/inplace.py:coordinate_sample)."""
+        live = self.es.live
+        if names is not None:
+            if unknown := sorted(set(names) - set(live)):
+                raise KeyError(f"es_sample: no engine weight has the HF name(s) {unknown[:5]}")
+            live = {n: live[n] for n in names}
+        dtype, shape, data = pack(coordinate_sample(live, per_tensor))
         return {"sample": (dtype, shape, bytes(data))}
 
     @_safe
@@ -197,13 +203,14 @@ class ESWorkerExtension:
         return {"dtype": str(some.dtype).removeprefix("torch."), "device": str(some.device)}
 
     @_safe
-    def es_set_weights(self, weights: dict[str, Packed]) -> dict[str, Any]:
-        """Copy HF-named tensors (the trainer's new weights, packed into the RPC: vllm_rpc.py:pack) into the
-        engine's weights; any subset of them (the changed ones). Only after es_policy_setup (no ES center)."""
+    def es_set_weights(self, weights: dict[str, Packed | torch.Tensor]) -> dict[str, Any]:
+        """Copy HF-named tensors (the trainer's new weights: packed into the RPC, vllm_rpc.py:pack, or the tensors
+        themselves from a trainer in this process) into the engine's weights; any subset of them (the changed
+        ones). Only after es_policy_setup (no ES center)."""
         if self.es.master is not None:
             raise RuntimeError("es_set_weights on an engine holding an ES center: set it up with es_policy_setup")
         live = self.es.live
-        weights = {n: unpack(p) for n, p in weights.items()}
+        weights = {n: p if isinstance(p, torch.Tensor) else unpack(p) for n, p in weights.items()}
         if unknown := sorted(set(weights) - set(live)):
             raise KeyError(f"es_set_weights: no engine weight has the HF name(s) {unknown[:5]}")
         if bad := [n for n, t in weights.items() if t.shape != live[n].shape]:

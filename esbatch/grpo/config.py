@@ -25,9 +25,8 @@ class GRPOConfig:
     )
     kl_estimator: str = setting(
         "k3",
-        "KL per token (beta > 0). k3: exp(ref - logp) - (ref - logp) - 1 (Shao et al.; TRL use_bias_correction_kl="
-        "False; verl low_var_kl also clamps it). k3_ratio: k3 x pi/pi_old, differentiable (DeepSeek-V3.2; TRL "
-        "use_bias_correction_kl=True, its 1.16 default). Default: the GRPO paper's.",
+        "KL per token (beta > 0): k3 (Shao et al.; TRL use_bias_correction_kl=False; verl low_var_kl, clamped) or "
+        "k3_ratio, k3 x pi/pi_old (DeepSeek-V3.2; TRL use_bias_correction_kl=True, its 1.16 default).",
         choices=("k3", "k3_ratio"),
     )
     scale_rewards: str = setting(
@@ -37,23 +36,19 @@ class GRPOConfig:
     )
     loss_aggregation: str = setting(
         "token_mean",
-        "The per-token losses as one loss, over the whole batch on all ranks (the gradient is the same on any "
-        "number of ranks or micro-batches): token_mean (TRL dapo, verl token-mean), seq_mean_token_mean (TRL grpo, "
-        "verl seq-mean-token-mean), seq_mean_token_sum (verl seq-mean-token-sum), seq_mean_token_sum_norm: Dr. "
-        "GRPO, / (responses x generation.max_new_tokens) (TRL dr_grpo). Table: docs/grpo-and-pipelines.md.",
+        "The loss over the whole batch on all ranks (the same step on any number of ranks or micro-batches): "
+        "token_mean, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm (Dr. GRPO, / (responses x "
+        "generation.max_new_tokens)); TRL's and verl's names in docs/grpo-and-pipelines.md.",
         choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"),
     )
     rollout_correction: str = setting(
         "tis",
-        "Off-policy correction of engine rollouts: tis multiplies each token's loss by min(pi_trainer / pi_engine, "
-        "rollout_correction_cap), from the engine's own log-prob (TRL vllm_importance_sampling_mode=token_truncate, "
-        "verl rollout_is=token); none: off. The mismatch is logged either way (rollout/*). Default tis: round-off "
+        "tis: each token's loss x min(pi_trainer / pi_engine, rollout_correction_cap), the engine's own log-prob "
+        "(TRL vllm_importance_sampling_mode=token_truncate; verl rollout_is=token); none: off. Default tis: round-off "
         "where the engine is the trainer (hf, fp32), a correction where not (vLLM, bf16), as TRL and verl do.",
         choices=("none", "tis"),
     )
-    rollout_correction_cap: float = setting(
-        2.0, "C of rollout_correction: tis (Yao et al., 2025 and verl use 2; TRL 3).", gt=0.0
-    )
+    rollout_correction_cap: float = setting(2.0, "C of tis (Yao et al., 2025 and verl: 2; TRL: 3).", gt=0.0)
     micro_batch_size: int | None = setting(
         None,
         "Sequences (responses) per forward/backward pass on each rank; a step accumulates the gradients of "

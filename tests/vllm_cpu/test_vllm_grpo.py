@@ -14,6 +14,10 @@ away (max abs) from the HF run's. With sampling (top_p 1, G=4, lr 1e-3, 4 steps,
 different tokens and the centers differ by 0.008 (max abs): measured once, not tested.
 
 (c) A pipeline ES -> GRPO on vllm: the GRPO stage's engine starts on the ES stage's center.
+
+(d) An engine that ignores a weight load (answers as if it had copied the tensors): the check after the sync
+(sampled coordinates, engine against trainer) stops the run before it trains on stale rollouts. With the engine in
+its own process (backend.policy_engine: separate); (a) and (b) run it in the trainer's process (the default).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from toy import run_esbatch
 from toy_vllm import train
 
 from esbatch.backends.base import SamplingParams
@@ -248,3 +253,23 @@ def test_a_pipeline_es_then_grpo_on_vllm(tmp_path, vllm_tiny):
     final = load_file(str(rd / "center.safetensors"))
     es_center = load_file(str(stage1 / "center.safetensors"))
     assert any(not torch.equal(final[n], es_center[n]) for n in final)  # the GRPO stage's step moved the weights
+
+
+def test_an_engine_that_ignores_a_weight_load_stops_the_run(tmp_path, vllm_tiny):
+    path = grpo_config(tmp_path, vllm_tiny, "stale", "vllm")
+    cfg = yaml.safe_load(path.read_text())
+    cfg["run"]["nproc_per_node"] = 1
+    cfg["grpo"]["updates"] = 3
+    cfg["backend"].update(policy_engine="separate", worker_extension="toy_vllm:IgnoringLoadsWorkerExtension")
+    path.write_text(yaml.safe_dump(cfg))
+    p = run_esbatch("train", str(path), "--no-progress", timeout=900, threads=None)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert "StaleEngineError" in out and "its rollouts would come from stale weights" in out, out[-3000:]
+    assert "(GRPO rollouts, separate process)" in out
+    rd = tmp_path / "runs" / "stale"
+    log = [yaml.safe_load(x) for x in (rd / "log.jsonl").read_text().splitlines()]
+    # the engine started on the model files, which the start-up load matches: the first step ran, its optimizer
+    # step moved the policy, and the load before the second step's rollouts was the first one the engine ignored
+    assert [r["t"] for r in log] == [0]
+    assert yaml.safe_load((rd / "run.json").read_text())["status"] == "failed"
