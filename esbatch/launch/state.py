@@ -191,8 +191,8 @@ def folder_problem(rd: RunDir) -> str | None:
             )
         return None
     try:
-        rd.read_meta()
-        rd.check_resume()
+        if rd.read_meta().get("algorithm") != "pipeline":  # a pipeline resumes stage by stage, each checked so
+            rd.check_resume()
     except RunFolderError as e:
         return str(e)
     return None
