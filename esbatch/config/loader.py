@@ -126,7 +126,7 @@ class _Refused(Exception):
     """A hostile or ambiguous YAML document, refused before it is built (the message says where)."""
 
 
-class _StrictLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml scans and parses 5x faster
+class _StrictLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the later one silently);
     keys merged in by ``<<: *anchor`` may still be overridden, as YAML intends."""
 
