@@ -12,6 +12,7 @@ products that compare two of them, <= 6.4e17, are exact), and prints the smalles
 
     .venv/bin/python benchmarks/countdown_tolerance.py --count 3 --max 100          # all 171,700 multisets
     .venv/bin/python benchmarks/countdown_tolerance.py --count 4 --max 100 --sample 20000 --seed 0
+    .venv/bin/python benchmarks/countdown_tolerance.py --count 4 --min 80 --max 100   # the largest numbers
     .venv/bin/python benchmarks/countdown_tolerance.py --count 4 --max 100 --jobs 16  # all 4,421,275
 """
 
@@ -106,12 +107,13 @@ def _chunk(sets: list[tuple[int, ...]]) -> tuple[float, tuple[int, ...], tuple, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--count", type=int, default=3, help="numbers per problem")
-    ap.add_argument("--max", type=int, default=100, help="largest number (smallest: 1)")
+    ap.add_argument("--max", type=int, default=100, help="largest number")
+    ap.add_argument("--min", type=int, default=1, help="smallest number")
     ap.add_argument("--sample", type=int, default=0, help="a seeded sample of this many multisets (0: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=1)
     args = ap.parse_args()
-    sets = list(itertools.combinations_with_replacement(range(1, args.max + 1), args.count))
+    sets = list(itertools.combinations_with_replacement(range(args.min, args.max + 1), args.count))
     if args.sample:
         sets = random.Random(args.seed).sample(sets, min(args.sample, len(sets)))
     start = time.monotonic()
@@ -125,7 +127,7 @@ def main() -> None:
     gap, s, v, w = min(r[:4] for r in results)
     under = sum(r[4] for r in results)
     print(
-        f"{len(sets)} multisets of {args.count} numbers in 1..{args.max}"
+        f"{len(sets)} multisets of {args.count} numbers in {args.min}..{args.max}"
         f"{f' (sample, seed {args.seed})' if args.sample else ''}: smallest relative gap {gap:.3e} "
         f"between {v[0]}/{v[1]} and {w[0]}/{w[1]} from {s}; multisets with a gap under 1e-9: {under}; "
         f"{time.monotonic() - start:.0f} s"

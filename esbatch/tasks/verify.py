@@ -286,10 +286,11 @@ def check_countdown(response: str, numbers: list[int], target: int | float | str
     ``COUNTDOWN_REL_TOL`` (1e-12, about 4,500 ulps) of it, relative; so is a trailing ``= <number>`` echo. Every
     other target is met exactly. Why that admits no other answer: two answers within the tolerance are at most
     2e-12 apart, relative, and two different values of one problem's numbers are farther apart than that: by brute
-    force (benchmarks/countdown_tolerance.py), at least 1.0e-6 over all 171,700 problems of 3 numbers in 1..100,
-    1.45e-8 over a sample of 20,000 of 4 numbers in 1..100 (9800/99 vs 9899/100; 8299/8300 vs 8300/8301).
-    Residual risk: four-number problems outside the sample, and larger problems (more numbers, larger ones),
-    are not enumerated; a target computed with a cancellation that cost it more than 1e-12 is missed."""
+    force (benchmarks/countdown_tolerance.py), at least 1.0e-6 over all 171,700 problems of 3 numbers in 1..100
+    (9800/99 vs 9899/100), and 1.04e-8 over every problem of 4 numbers in 1..30 or in 80..100 and a sample of
+    50,000 in 1..100 (-9801/9800 vs -9802/9801, from 98, 99, 99, 100). Residual risk: the four-number problems
+    not enumerated, and larger ones (more numbers, larger numbers); a target computed with a cancellation that
+    cost it more than 1e-12 is missed."""
     want, unexplained = _read_target(target)
     printed = want if unexplained else None
     expr = extract_answer_tag(response)
