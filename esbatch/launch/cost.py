@@ -4,6 +4,9 @@ table's rates (esbatch/launch/throughput.py) and the disk it will write; and a w
 estimate exceeds the launcher profile's time limit. Nothing is loaded or downloaded: parameter counts come from the
 model's config on the meta device (esbatch/models.py), else its files' headers, else its model card's figure.
 
+A GRPO run on vLLM adds its weight syncs into the rank's engine (one per generated batch, every parameter in the
+engine's dtype) at SYNC_RATES, measured on CPU and assumed on GPUs (labelled so in the plan).
+
 Generated tokens are an upper bound (every response runs to its max_new_tokens; most stop earlier):
 
     ES run          N x B x max_new_tokens per update (+ (m - 1) x N x B more on es.diversity updates)
@@ -42,6 +45,14 @@ SAMPLE_BYTES_PER_TOKEN = 4  # eval samples: ~4 characters of text per token (ass
 SAMPLE_OVERHEAD = 100  # bytes per response besides its text (n_tokens, entropy, verdict, key)
 PROBLEM_BYTES = 1000  # bytes per problem row besides its responses (question, gold)
 LOG_BYTES = (1000, 150)  # log.jsonl per update: a record, plus per ES member (seed, sign, reward, z, weight)
+# GB/s (2^30 bytes) of a GRPO weight sync into the rank's vLLM engine, by device kind and backend.policy_engine
+SYNC_RATES = {
+    ("cpu", "in_process"): (0.55, "measured on CPU, SmolLM2: benchmarks/grpo_step_split.py"),
+    ("cpu", "separate"): (0.14, "measured on CPU, SmolLM2: benchmarks/grpo_step_split.py"),
+    ("gpu", "in_process"): (25.0, "assumed, not run on a GPU: verl copied Qwen2.5-7B bf16 in process in 0.55 s"),
+    ("gpu", "separate"): (0.3, "assumed, not run on a GPU: packed bytes through collective_rpc, as on CPU"),
+}
+DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
 
 
 @dataclass
@@ -58,6 +69,7 @@ class Work:
     disk: int = 0
     unknown: str | None = None  # why the token count is not known
     rate: Rate | None = None
+    sync: tuple[str, float] | None = None  # GRPO on vLLM: (what, device-seconds) of its weight syncs
 
     @property
     def tokens(self) -> int:
@@ -66,7 +78,9 @@ class Work:
     @property
     def seconds(self) -> float | None:
         """Device-seconds of generation at the table's rate; None without a rate or a token count."""
-        return None if self.rate is None or self.unknown else self.tokens / self.rate.tokens_per_s
+        if self.rate is None or self.unknown:
+            return None
+        return self.tokens / self.rate.tokens_per_s + (self.sync[1] if self.sync else 0.0)
 
 
 @dataclass
@@ -152,6 +166,22 @@ def training_parts(cfg: TrainConfig) -> tuple[list[tuple[str, int]], str | None]
     return parts, None
 
 
+def weight_syncs(cfg: TrainConfig, params: int | None, device: str, devices: int = 1) -> tuple[str, float] | None:
+    """(what, device-seconds) of a GRPO run's weight syncs into its vLLM engines: one per generated batch on each
+    of ``devices``, every parameter in the engine's dtype (fp32 on CPU), at SYNC_RATES; None for other runs."""
+    if cfg.algorithm != "grpo" or cfg.backend.name != "vllm" or params is None:
+        return None
+    U = planned_updates(cfg)
+    if U is None:
+        return None
+    batches = cfg.algo().data_batches(cfg, U)
+    kind = "cpu" if device == "cpu" else "gpu"
+    gbps, source = SYNC_RATES[kind, cfg.backend.policy_engine]
+    nbytes = params * (4 if kind == "cpu" else DTYPE_BYTES.get(cfg.model.dtype, 2))
+    what = f"weight syncs {batches} x {human(nbytes)} at {gbps:g} GB/s ({cfg.backend.policy_engine}; {source})"
+    return what, devices * batches * nbytes / (gbps * 2**30)
+
+
 def eval_parts(config: dict[str, Any]) -> tuple[list[tuple[str, int]], int, str | None]:
     """(what, generated tokens at most) of one planned eval, the bytes of its samples, or why not known."""
     cfg = eval_config_from_dict({k: v for k, v in config.items() if k != "checkpoint"})
@@ -234,6 +264,7 @@ def plan_sweep(
             N = r.config.section(ESConfig).population_size if r.config.algorithm != "grpo" else 0
             w.disk = run_disk(r.config, params).total + U * (LOG_BYTES[0] + LOG_BYTES[1] * N)
         w.rate = table.get(params, w.backend, device)
+        w.sync = weight_syncs(r.config, params, device, plan.devices_per_task)
         plan.work.append(w)
     for e in sweep.evals if evals is None else evals:
         model = e.config.get("model") or {}
@@ -313,6 +344,8 @@ def format_plan(plan: Plan, detail: bool = True) -> list[str]:
                 continue
             h = f"{hours(w.seconds)} {unit}" if w.seconds is not None else f"? {unit}"
             parts = "; ".join(f"{what} = {count(n)}" for what, n in w.parts)
+            if w.sync:
+                parts += f"; {w.sync[0]} = {w.sync[1]:.0f} s"
             lines.append(f"  {kind} {w.key}  {_name(w)}: {count(w.tokens)} tokens, {h}, disk {human(w.disk)} ({parts})")
     rows = [("phase", "tokens (at most)", unit, "disk")]
     for name in ("training", "evaluation", "total"):
