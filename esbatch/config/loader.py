@@ -229,10 +229,25 @@ def load_yaml(text: str, source: str | None = None) -> Any:
         loader.dispose()
 
 
+#: Mappings already parsed, by their text (a sweep's plan configs are read again by every status, dry run and
+#: submission); each caller gets its own deep copy. Refused texts are not kept: they raise each time.
+_PARSED: dict[str, dict[str, Any]] = {}
+_PARSED_MAX = 512
+
+
 def parse_yaml(text: str, source: str | None = None) -> dict[str, Any]:
-    data = load_yaml(text, source)
+    data = _PARSED.get(text)
     if data is None:
-        raise ConfigError(["the file is empty: expected a mapping of keys (see `esbatch validate --schema`)"], source)
-    if not isinstance(data, dict):
-        raise ConfigError([f"top level: expected a mapping of keys, got {type(data).__name__} {data!r:.60}"], source)
+        data = load_yaml(text, source)
+        if data is None:
+            raise ConfigError(
+                ["the file is empty: expected a mapping of keys (see `esbatch validate --schema`)"], source
+            )
+        if not isinstance(data, dict):
+            raise ConfigError(
+                [f"top level: expected a mapping of keys, got {type(data).__name__} {data!r:.60}"], source
+            )
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.pop(next(iter(_PARSED)))  # the oldest
+        _PARSED[text] = data
     return copy.deepcopy(data)
