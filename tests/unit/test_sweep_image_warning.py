@@ -9,6 +9,7 @@ import io
 import yaml
 
 from esbatch.config.launcher import load_profile
+from esbatch.launch import submit
 from esbatch.launch.slurm import image_warning
 from esbatch.launch.submit import dry_run
 from esbatch.launch.sweep import load_sweep
@@ -51,7 +52,9 @@ def test_registry_images_docker_and_local_profiles_are_not_checked(tmp_path):
     assert image_warning(_profile(str(tmp_path / "x.sif"), name="local"), "local") is None
 
 
-def test_dry_run_prints_the_apptainer_line_and_the_warning(tmp_path):
+def test_dry_run_prints_the_apptainer_line_and_the_warning(tmp_path, monkeypatch):
+    # the cost plan (model configs, the throughput table) is not what this checks, and takes seconds
+    monkeypatch.setattr(submit, "print_plan", lambda *a, **k: None)
     sif = tmp_path / "missing" / "esbatch.sif"
     spec = {
         "name": "t",
