@@ -318,7 +318,8 @@ def test_grpo_record_holds_the_group_success_share_on_generated_steps_only(tiny_
     correct = torch.tensor([[True, False, True], [False, False, False]])
     batch = {"rewards": torch.zeros(2, 3), "t_gen": 1.0, "correct": correct, "batch": [3, 1], "weight": 1.0}
     tr._rollouts = lambda index: {**batch, "index": index}
-    tr._learn = lambda b, first: [0.0] * 6
+    sums = ("entropy_sum", "kl_sum", "clip_sum", "tokens", "loss", "gen_tokens", "flops")
+    tr._learn = lambda b, first: dict.fromkeys(sums + ("logp_diff_sum", "logp_diff_max", "capped", "is_tokens"), 0.0)
     tr._weights_checksum = lambda: 1.0
     tr._gather = lambda local: torch.tensor([local], dtype=torch.float64)
     rec = tr.step(0)
