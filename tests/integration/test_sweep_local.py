@@ -109,7 +109,9 @@ def test_interrupted_local_sweep_resumes_without_duplicates(tmp_path, tiny_model
     status = run_cli("status", str(sweep_dir))
     assert status.returncode == 0 and "damaged" in status.stdout, status.stdout + status.stderr
     assert run_cli("aggregate", str(sweep_dir)).returncode == 0
-    assert run_cli("plot", str(one), "-o", str(tmp_path / "curves.png")).returncode == 0
+    # one verdict (issue 44): the corrupt log line that status reads as damaged is what plot refuses, by name
+    p = run_cli("plot", str(one), "-o", str(tmp_path / "curves.png"))
+    assert p.returncode == 2 and "damaged" in p.stderr and "log.jsonl" in p.stderr, p.stdout + p.stderr
     assert run_cli("ls").returncode == 0
     p = run_cli("sweep", str(path))
     assert "damaged, not resubmitted" in p.stdout and f"{two / 'run.json'}: not valid run metadata" in p.stdout
