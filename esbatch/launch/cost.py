@@ -47,8 +47,8 @@ PROBLEM_BYTES = 1000  # bytes per problem row besides its responses (question, g
 LOG_BYTES = (1000, 150)  # log.jsonl per update: a record, plus per ES member (seed, sign, reward, z, weight)
 # GB/s (2^30 bytes) of a GRPO weight sync into the rank's vLLM engine, by device kind and backend.policy_engine
 SYNC_RATES = {
-    ("cpu", "in_process"): (0.55, "measured on CPU, SmolLM2: benchmarks/grpo_step_split.py"),
-    ("cpu", "separate"): (0.14, "measured on CPU, SmolLM2: benchmarks/grpo_step_split.py"),
+    ("cpu", "in_process"): (11.2, "measured on CPU, SmolLM2 fp32: benchmarks/grpo_step_split.py, 2026-12-06"),
+    ("cpu", "separate"): (0.26, "measured on CPU, SmolLM2 fp32: benchmarks/grpo_step_split.py, 2026-12-06"),
     ("gpu", "in_process"): (25.0, "assumed, not run on a GPU: verl copied Qwen2.5-7B bf16 in process in 0.55 s"),
     ("gpu", "separate"): (0.3, "assumed, not run on a GPU: packed bytes through collective_rpc, as on CPU"),
 }
