@@ -496,19 +496,7 @@ def gguf_tensor_elements(path: str | Path) -> int:
         off = 24
 
         def skip(kind: int, off: int) -> int:
-            if kind in _GGUF_SCALARS:
-                return off + _GGUF_SCALARS[kind]
-            if kind == _GGUF_STRING:
-                return off + 8 + struct.unpack_from("<Q", buf, off)[0]
-            if kind == _GGUF_ARRAY:
-                item, n = struct.unpack_from("<IQ", buf, off)
-                off += 12
-                if item in _GGUF_SCALARS:
-                    return off + n * _GGUF_SCALARS[item]
-                for _ in range(n):
-                    off = skip(item, off)
-                return off
-            raise ValueError(f"{path}: unknown GGUF value type {kind}")
+            return _gguf_skip(buf, kind, off, path)
 
         for _ in range(n_kv):
             off = skip(_GGUF_STRING, off)  # the key
@@ -525,6 +513,23 @@ def gguf_tensor_elements(path: str | Path) -> int:
         return total
 
 
+def _gguf_skip(buf: Any, kind: int, off: int, path: str | Path) -> int:
+    """The offset past a GGUF metadata value of type ``kind`` starting at ``off`` in ``buf``."""
+    if kind in _GGUF_SCALARS:
+        return off + _GGUF_SCALARS[kind]
+    if kind == _GGUF_STRING:
+        return off + 8 + struct.unpack_from("<Q", buf, off)[0]
+    if kind == _GGUF_ARRAY:
+        item, n = struct.unpack_from("<IQ", buf, off)
+        off += 12
+        if item in _GGUF_SCALARS:
+            return off + n * _GGUF_SCALARS[item]
+        for _ in range(n):
+            off = _gguf_skip(buf, item, off, path)
+        return off
+    raise ValueError(f"{path}: unknown GGUF value type {kind}")
+
+
 def gguf_context_length(path: str | Path) -> int | None:
     """``<arch>.context_length`` from a GGUF file's metadata (v2/v3), read up to that key only; None if absent."""
     import mmap
@@ -536,19 +541,7 @@ def gguf_context_length(path: str | Path) -> int | None:
         ints = {4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
 
         def skip(kind: int, off: int) -> int:
-            if kind in _GGUF_SCALARS:
-                return off + _GGUF_SCALARS[kind]
-            if kind == _GGUF_STRING:
-                return off + 8 + struct.unpack_from("<Q", buf, off)[0]
-            if kind == _GGUF_ARRAY:
-                item, n = struct.unpack_from("<IQ", buf, off)
-                off += 12
-                if item in _GGUF_SCALARS:
-                    return off + n * _GGUF_SCALARS[item]
-                for _ in range(n):
-                    off = skip(item, off)
-                return off
-            raise ValueError(f"{path}: unknown GGUF value type {kind}")
+            return _gguf_skip(buf, kind, off, path)
 
         for _ in range(n_kv):
             (length,) = struct.unpack_from("<Q", buf, off)
