@@ -184,7 +184,7 @@ def chunk_seed(seed: int, label: str, start: int) -> int:
 
 def run_task(cfg: EvalConfig, et: EvalTask, gen: Any, ed: EvalDir, progress: bool = True) -> dict[str, Any]:
     """Generate and score every problem of one task not yet in its samples file; returns throughput."""
-    from tqdm.auto import tqdm
+    from esbatch.clock import progress as tqdm  # monotonic: a clock jump moves no ETA
 
     label = et.label or et.name
     task = TASKS.get(et.name)(et.data_path, **et.params)

@@ -260,7 +260,7 @@ def follow(
     The scheduler is asked once per poll for every array at once, and the interval backs off while
     nothing changes (2 s doubling to ``max_poll_s``), so a large sweep never floods slurmctld.
     """
-    from tqdm.auto import tqdm
+    from esbatch.clock import progress as tqdm  # monotonic: a clock jump moves no ETA
 
     states = run_states(sd)
     bar = tqdm(total=_bar_figures(states)[1], desc=f"sweep {sd.read().get('name')}", unit="upd")
@@ -437,14 +437,14 @@ def _run_here(
 
 def _throttled_bar(sd: SweepDir) -> Callable[[], None]:
     """A progress bar for the local launcher fed from the run folders every ~2 s."""
-    from tqdm.auto import tqdm
+    from esbatch.clock import progress as tqdm  # monotonic: a clock jump moves no ETA
 
-    state: dict[str, Any] = {"bar": None, "t": 0.0}
+    state: dict[str, Any] = {"bar": None, "t": -float("inf")}
 
     def tick() -> None:
-        if time.time() - state["t"] < 2:
+        if time.monotonic() - state["t"] < 2:
             return
-        state["t"] = time.time()
+        state["t"] = time.monotonic()
         states = run_states(sd, query_scheduler=False)
         done, total, post = _bar_figures(states)
         if state["bar"] is None:

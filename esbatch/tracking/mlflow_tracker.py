@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import esbatch
+from esbatch.clock import Anchor
 from esbatch.tracking import spool as spooling
 from esbatch.tracking.spool import (
     BACKOFF_S,
@@ -29,7 +30,6 @@ from esbatch.tracking.spool import (
     Spool,
     TrackingStoreError,
     describe,
-    now_ms,
     retry,
     send,
     transient,
@@ -203,7 +203,8 @@ class MLflowTracker:
     (the run folder's ``tracking.pending.jsonl``), metrics, artifacts and the end status the store still
     refuses are kept there and sent later, each metric step once, and training goes on; without it the last
     failure raises. ``sleep`` (default ``spool.pause``, looked up when the tracker is made) and ``clock`` are
-    injectable: tests never wait."""
+    injectable: tests never wait. Times sent to MLflow (the run's start, each metric's, the end) are ``wall()``
+    read once, here, plus ``clock()``'s elapsed time (esbatch/clock.py): a wall-clock jump moves none of them."""
 
     def __init__(
         self,
@@ -214,6 +215,7 @@ class MLflowTracker:
         *,
         sleep: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
         import mlflow
@@ -222,6 +224,7 @@ class MLflowTracker:
         self.mlflow, self.uri = mlflow, uri
         self.spool = Spool(spool) if spool is not None else None
         self._sleep, self._clock = sleep or spooling.pause, clock
+        self._times = Anchor(wall, clock)
         self._spooling = False  # the store refused a write after every try: writes go to the spool
         self._next_try = 0.0  # while spooling, the store is not tried again before this clock reading
 
@@ -288,7 +291,9 @@ class MLflowTracker:
                     self.spool.append(self._record(status="RUNNING"))
                 return run_id
             if self.run_id is None:  # else an earlier try created it, then failed: not a second run
-                self.run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
+                self.run_id = self.client.create_run(
+                    self.experiment_id, start_time=self._times.now_ms(), run_name=run_name, tags=tags
+                ).info.run_id
             items = [Param(k, str(v)[:6000]) for k, v in params.items()]
             for i in range(0, len(items), 100):
                 self.client.log_batch(self.run_id, params=items[i : i + 100])
@@ -367,7 +372,7 @@ class MLflowTracker:
 
     # ------------------------------------------------------------------ writing, retrying, spooling
     def _record(self, **what: Any) -> dict[str, Any]:
-        return {"run_id": self.run_id, "uri": self.uri, "time": now_ms(), **what}
+        return {"run_id": self.run_id, "uri": self.uri, "time": self._times.now_ms(), **what}
 
     def _write(self, rec: dict[str, Any]) -> None:
         """Send one write, tried with backoff (a retry skips the metric steps an earlier try may have landed);

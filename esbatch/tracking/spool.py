@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from esbatch.clock import Anchor
+
 FILE = "tracking.pending.jsonl"
 BACKOFF_S = (2.0, 4.0, 8.0, 16.0, 30.0)  # sleeps between the 6 tries of one write
 RETRY_EVERY_S = 60.0  # while writes are spooled, the store is tried at most this often
@@ -259,5 +261,9 @@ def send(client: Any, recs: Iterable[dict[str, Any]]) -> int:
     return sent
 
 
+_ANCHOR = Anchor()  # this process's wall clock, read once: later times add monotonic elapsed time
+
+
 def now_ms() -> int:
-    return int(time.time() * 1000)
+    """A timestamp for MLflow (ms since the epoch) that a wall-clock jump does not move (esbatch/clock.py)."""
+    return _ANCHOR.now_ms()

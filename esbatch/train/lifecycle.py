@@ -363,7 +363,7 @@ def _restore(run: RunSession, trainer: Trainer) -> tuple[int, list[dict[str, Any
 
 
 def _train_loop(run: RunSession, trainer: Trainer, start: int, total: int, progress: bool) -> None:
-    from tqdm.auto import tqdm
+    from esbatch.clock import progress as tqdm  # monotonic: a clock jump moves no ETA
 
     cfg, rd, phase = run.cfg, run.rd, run.watchdog.phase
     done_evals = {e["t"] for e in rd.evals()} if run.lead else set()
