@@ -814,6 +814,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    debug_was = os.environ.get("ESBATCH_DEBUG")
+    if args.debug:  # also for the ranks a run starts: tracking retries print their tracebacks
+        os.environ["ESBATCH_DEBUG"] = "1"
 
     try:
         return args.func(args)
@@ -838,6 +841,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         stop.settle()
+        if args.debug and debug_was is None:  # main() is called in-process by tests
+            os.environ.pop("ESBATCH_DEBUG", None)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from esbatch.tracking.mlflow_tracker import (
     run_tags,
 )
 from esbatch.tracking.spool import TrackingStoreError, spool_path
+from esbatch.tracking.writer import TrackingWriter
 
 __all__ = [
     "MLflowTracker",
@@ -19,4 +20,5 @@ __all__ = [
     "run_tags",
     "spool_path",
     "TrackingStoreError",
+    "TrackingWriter",
 ]

@@ -131,12 +131,37 @@ class Spool:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[IO[str]]:
-        """The spool file open for reading and appending, under an exclusive flock (the run and `esbatch
-        aggregate` may both send it)."""
-        with open(self.path, "a+") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
+        """The spool file open for reading and appending, under an exclusive flock held briefly (appending, taking
+        a snapshot, dropping what was sent: never while a store is talked to). A file replaced while we waited for
+        its lock (``_keep``) is opened again: a line appended to the old one would be lost."""
+        while True:
+            f = open(self.path, "a+")  # noqa: SIM115 - closed below, or by the caller's with
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                try:
+                    same = os.fstat(f.fileno()).st_ino == os.stat(self.path).st_ino
+                except FileNotFoundError:
+                    same = False
+            except BaseException:
+                f.close()
+                raise
+            if same:
+                break
+            f.close()
+        with f:
             try:
                 yield f
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def sending(self) -> Iterator[None]:
+        """One sender at a time (the run's writer thread, `esbatch aggregate`, a resume), across processes: a flock
+        on ``<spool>.lock``, held while the store is talked to. Appending never waits for it."""
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
@@ -153,27 +178,41 @@ class Spool:
             os.fsync(f.fileno())
 
     def records(self, f: IO[str] | None = None) -> list[dict[str, Any]]:
+        return self._snapshot(f)[0]
+
+    def _snapshot(self, f: IO[str] | None = None) -> tuple[list[dict[str, Any]], int]:
+        """The records and the number of lines they were read from (torn lines included)."""
         if f is None:
             if not self.pending():
-                return []
+                return [], 0
             with self.locked() as g:
-                return self.records(g)
+                return self._snapshot(g)
         f.seek(0)
+        lines = f.read().splitlines()
         out = []
-        for line in f.read().splitlines():
+        for line in lines:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line torn by a crash: its write never returned, the folder's logs hold it
             if isinstance(rec, dict) and isinstance(rec.get("run_id"), str):
                 out.append(rec)
-        return out
+        return out, len(lines)
 
-    def send(self, client_for: Callable[[str], tuple[Any, Callable[[], Any]]], uri: str | None = None) -> int:
-        """Send every pending write, then empty the spool; returns the metric points sent. ``client_for(uri)``:
-        an MlflowClient for the store and its writer lock. A failure raises and leaves the spool whole."""
-        with self.locked() as f:
-            recs = self.records(f)
+    def send(
+        self,
+        client_for: Callable[[str], tuple[Any, Callable[[], Any]]],
+        uri: str | None = None,
+        cache: SendCache | None = None,
+    ) -> int:
+        """Send every pending write, then drop the lines sent; returns the metric points sent. ``client_for(uri)``:
+        an MlflowClient for the store and its writer lock. The spool's own lock is held only to read it and to drop
+        what was sent, so lines appended meanwhile (training goes on) stay for the next send. A failure raises and
+        leaves the spool whole. ``cache``: what a previous send of this process learnt the store holds."""
+        with self.sending():
+            recs, n = self._snapshot()
+            if not n:
+                return 0
             stores: dict[str, list[dict[str, Any]]] = {}
             for r in recs:
                 stores.setdefault(uri or r.get("uri", ""), []).append(r)
@@ -181,9 +220,45 @@ class Spool:
             for u, rs in stores.items():
                 client, lock = client_for(u)
                 with lock():
-                    sent += send(client, rs)
-            _truncate(f)
+                    sent += send(client, rs, cache)
+            with self.locked() as f:
+                f.seek(0)
+                rest = f.read().splitlines(keepends=True)[n:]
+                if rest:
+                    _keep(self.path, "".join(rest))
+                else:
+                    _truncate(f)
         return sent
+
+
+class SendCache:
+    """What one process has learnt its store holds, across sends (the run's writer thread sends after every
+    update: reading each key's history again each time would cost O(updates) store reads per update). Forgotten
+    after any failure, when a write may or may not have landed."""
+
+    def __init__(self) -> None:
+        self.have: dict[tuple[str, str], set[int]] = {}
+        self.known: dict[str, bool] = {}
+
+    def clear(self) -> None:
+        self.have.clear()
+        self.known.clear()
+
+
+def _keep(path: Path, rest: str) -> None:
+    """Replace the spool with the lines appended while it was being sent (atomically: a crash keeps the old file,
+    whose sent lines the next send skips); appenders waiting for the old file's lock open the new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as g:
+        g.write(rest)
+        g.flush()
+        os.fsync(g.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _truncate(f: IO[str]) -> None:
@@ -193,14 +268,23 @@ def _truncate(f: IO[str]) -> None:
     os.fsync(f.fileno())
 
 
-def send(client: Any, recs: Iterable[dict[str, Any]]) -> int:
+def send(client: Any, recs: Iterable[dict[str, Any]], cache: SendCache | None = None) -> int:
     """Send spooled writes to their runs in order, each (run, key, step) once: steps MLflow already has are
-    skipped. Returns the metric points sent."""
+    skipped. Returns the metric points sent. ``cache``: kept across calls, cleared when one fails."""
+    cache = cache if cache is not None else SendCache()
+    try:
+        return _send(client, recs, cache.have, cache.known)
+    except BaseException:
+        cache.clear()  # a batch may or may not have landed: read the store again next time
+        raise
+
+
+def _send(
+    client: Any, recs: Iterable[dict[str, Any]], have: dict[tuple[str, str], set[int]], known: dict[str, bool]
+) -> int:
     from mlflow.entities import Metric
     from mlflow.exceptions import MlflowException
 
-    have: dict[tuple[str, str], set[int]] = {}
-    known: dict[str, bool] = {}
     batch: list[Any] = []
     batch_run: str | None = None
     sent = dropped = 0

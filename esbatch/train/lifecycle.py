@@ -8,7 +8,9 @@ records how it ended. ``run_updates`` drives a ``Trainer`` update by update:
     append to log.jsonl (durable first), log metrics, checkpoint every k (and snapshots), evaluate every
     k (held-out, and eval.tasks: esbatch/train/taskeval.py) -> final checkpoint and evaluation -> summary
 
-so ES and GRPO share the same resume, logging and stop behaviour. Rank 0 writes; every rank computes.
+so ES and GRPO share the same resume, logging and stop behaviour. Rank 0 writes; every rank computes. Logging a
+metric appends it to the run folder's tracking spool; a thread sends it to MLflow (esbatch/tracking/writer.py):
+no update waits for the store, and the watchdog never times it.
 """
 
 from __future__ import annotations
@@ -24,14 +26,24 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from esbatch import durable
-from esbatch.tracking import MLflowTracker, NullTracker, default_tracking_uri, parent_tag, run_tags, spool_path
+from esbatch.tracking import (
+    MLflowTracker,
+    NullTracker,
+    TrackingWriter,
+    default_tracking_uri,
+    parent_tag,
+    run_tags,
+    spool_path,
+)
 from esbatch.train import fingerprint, stop
 from esbatch.train.config import Algorithm, RunTarget, TrainConfig
 from esbatch.train.lock import writer_lock
 from esbatch.train.ranks import Ranks, collective_timeout_min, init_ranks
 from esbatch.train.rundir import RunDir
 from esbatch.train.taskeval import TaskEvals
-from esbatch.train.watchdog import Watchdog
+from esbatch.train.watchdog import Watchdog, before_exit, forget
+
+HUNG_END_WAIT_S = 5.0  # a hung run's end status: this long for the store, else the spool keeps it
 
 
 class Trainer(ABC):
@@ -135,6 +147,7 @@ class RunSession:
         self.run_id: str | None = None
         self.t_start = time.perf_counter()
         self.status = "FAILED"
+        self._logged = -1  # the last update step MLflow (or the spool) had when the run reopened
 
     # ---------------------------------------------------------------- opening and closing
     def __enter__(self) -> RunSession:
@@ -144,9 +157,11 @@ class RunSession:
         self._lock = ExitStack()
         if self.lead:  # rank 0 is the folder's one writer (esbatch/train/lock.py); the other ranks only read it
             self._lock.enter_context(writer_lock(rd.path))
+            before_exit(self._hung)  # a hang ends the process: run.json and MLflow say failed first
         try:
             self._open()
         except BaseException:
+            forget(self._hung)
             self._lock.close()
             raise
         return self
@@ -222,6 +237,8 @@ class RunSession:
             resumes = [*resumes, {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changed": self.changes}]
             tags[f"resume.{len(resumes)}.changed"] = fingerprint.describe(self.changes)
         self.run_id = self.tracker.start(self.run_name, cfg.params(), tags, run_id=previous)
+        self._logged = self.tracker.last_step("reward/mean") if self.resume else -1
+        self.tracker = TrackingWriter(self.tracker)  # from here on, writes go through the spool and a thread
         self.rd.write_meta(
             mlflow_run_id=self.run_id,
             tracking_uri=self.uri,
@@ -238,8 +255,20 @@ class RunSession:
         return self.run_id
 
     def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
+        forget(self._hung)
         with self._lock:  # released once run.json and MLflow say how the run ended
             self._close(kind, exc)
+
+    def _hung(self, what: str) -> None:
+        """The watchdog is ending the process (esbatch/train/watchdog.py): record it as every other failure is,
+        run.json ``failed`` with the reason and MLflow FAILED (or the spool says it will be)."""
+        limit = self.cfg.run.hang_timeout_s
+        self.status = "FAILED"
+        if self.rd.meta.exists():
+            reason = f"hung: {what} did not finish within run.hang_timeout_s = {limit:g} s"
+            self.rd.write_meta(status="failed", reason=reason, peak_rss_mb=round(peak_rss_mb(), 1))
+        if isinstance(self.tracker, TrackingWriter):
+            self.tracker.end("FAILED", wait_s=HUNG_END_WAIT_S)
 
     def _close(self, kind: type | None, exc: BaseException | None = None) -> None:
         if kind is None:
@@ -276,14 +305,17 @@ class RunSession:
         self.tracker.log_metrics(metrics, step=step)
 
     def record_update(self, rec: dict[str, Any]) -> None:
-        """The durable record first (log.jsonl, fsynced), then MLflow, then progress in run.json."""
+        """The durable record first (log.jsonl, fsynced), then progress in run.json, both timed by the watchdog
+        (disk writes can hang), then the metrics into the tracking spool: MLflow gets them from a thread."""
         if not self.lead:
             return
-        self.rd.append_update(rec)
-        self.log({**rec["metrics"], "memory/peak_rss_mb": peak_rss_mb()}, rec["t"] + 1)
-        self.rd.write_meta(
-            done=rec["t"] + 1, last_reward=rec["metrics"].get("reward/mean"), peak_rss_mb=round(peak_rss_mb(), 1)
-        )
+        t = rec["t"]
+        with self.watchdog.phase(f"writing update {t} to the run folder") if self.watchdog else ExitStack():
+            self.rd.append_update(rec)
+            self.rd.write_meta(
+                done=t + 1, last_reward=rec["metrics"].get("reward/mean"), peak_rss_mb=round(peak_rss_mb(), 1)
+            )
+        self.log({**rec["metrics"], "memory/peak_rss_mb": peak_rss_mb()}, t + 1)
 
     def record_eval(self, t: int, scores: dict[str, float]) -> None:
         self.rd.append_eval({"t": t, **scores})
@@ -295,9 +327,8 @@ class RunSession:
         """Metrics of logged updates that never reached MLflow (the run died in between): each step once."""
         if not self.lead:
             return
-        last = self.tracker.last_step("reward/mean") if self.resume else -1
         for r in records:
-            if r["t"] + 1 > last:
+            if r["t"] + 1 > self._logged:
                 self.log(r["metrics"], r["t"] + 1)
 
     def summary(self, total: int, **extra: Any) -> dict[str, Any]:
@@ -403,8 +434,7 @@ def _train_loop(run: RunSession, trainer: Trainer, start: int, total: int, progr
                 rec = trainer.step(t)
             with phase(f"the rank checksum comparison after update {t} (a collective)"):
                 run.ranks.check_in_sync(trainer.checksum() if run.ranks.world > 1 else None, t)
-            with phase(f"logging update {t} (log.jsonl, MLflow)"):
-                run.record_update(rec)
+            run.record_update(rec)  # the folder's writes under their own phase; MLflow's from a thread, untimed
             if (t + 1) % cfg.checkpoint.every == 0 or t + 1 == total:
                 with phase(f"the checkpoint after update {t + 1}"):
                     trainer.save(t + 1, final=t + 1 == total)
