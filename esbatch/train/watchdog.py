@@ -6,7 +6,9 @@ and scoring, the collectives, the checkpoint, the held-out evaluation) runs unde
 outlasts ``run.hang_timeout_s`` the watchdog prints which phase hung, dumps every thread's stack, and ends
 the process with ``EXIT_HUNG``. The run folder is intact (the log is appended before anything else), so the
 resumed run (the next `esbatch sweep`, or SLURM requeueing the task: see esbatch/launch/task.py) continues
-bit for bit. Setup (loading a model, possibly downloading it) is not timed.
+bit for bit. Setup (loading a model, possibly downloading it) is not timed, nor is tracking: MLflow is written by
+a thread (esbatch/tracking/writer.py). Before the exit, the run session's hook records the run as failed, with the
+phase that hung, in run.json and MLflow (esbatch/train/lifecycle.py).
 """
 
 from __future__ import annotations
