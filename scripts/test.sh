@@ -10,6 +10,9 @@
 # every unit case over 1 s and every other case over 60 s (reported, not failed: move or speed them up). The
 # script exits non-zero if any phase failed (every phase runs regardless). pytest-xdist spreads each phase over
 # workers: ESBATCH_TEST_WORKERS_UNIT / _MAIN / _VLLM set their numbers (docs/benchmarks.md, "Test suite time").
+# Every process a test starts uses one thread (tests/conftest.py: OMP_NUM_THREADS=1), and each vllm worker keeps
+# to its own cores (tests/vllm_cpu/conftest.py; ESBATCH_TEST_PIN=0 turns that off): threads of two workers
+# sharing a core wait on each other's time slices at every OpenMP barrier (5-7x slower, measured).
 # Extra arguments go to every pytest call (-x, -k EXPR).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -33,7 +33,7 @@ def test_smollm2_eval_through_cli(tmp_path):
     }
     path = tmp_path / "eval.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    p = run_esbatch("eval", str(path), "--no-progress", timeout=900, threads=2)
+    p = run_esbatch("eval", str(path), "--no-progress", timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "| GSM8K |" in p.stdout and "| arithmetic |" in p.stdout and "**Average**" in p.stdout
     assert "tokens/s" in p.stdout

@@ -41,7 +41,7 @@ def test_smollm2_two_updates_through_cli_land_in_mlflow(tmp_path):
         "tracking.log_model=true",
     ]
     p = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"}
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     assert p.returncode == 0, p.stdout + p.stderr
     client = MlflowClient(f"sqlite:///{out_dir / 'mlflow.db'}")

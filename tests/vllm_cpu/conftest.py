@@ -20,6 +20,24 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def _own_cores() -> None:
+    """Each xdist worker keeps to its own share of the cores (2 workers on 2 cores: one each). An engine binds its
+    OpenMP threads to the cores its process may use (esbatch/backends/vllm.py, _engine_envs), and its subprocesses
+    inherit the share; unpinned, two workers' engines each bound a thread to every core and waited on each other's
+    time slices at every barrier (the HF path measured 5-7x slower so). Off with ESBATCH_TEST_PIN=0."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or os.environ.get("ESBATCH_TEST_PIN", "1") == "0" or count < 2:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < count:
+        return
+    i, per = int(worker[2:]), len(cores) // count
+    os.sched_setaffinity(0, cores[i * per : (i + 1) * per])
+
+
+_own_cores()
+
+
 def shared_dir(tmp_path_factory) -> Path:
     """A folder all xdist workers of this session see (the session's base temp folder without xdist)."""
     base = tmp_path_factory.getbasetemp()
