@@ -19,6 +19,8 @@ does. It does not call that class's ``send_weights``: that sends the whole model
 or cuts chunks itself into a staging buffer no tensor may exceed (packed). Driving the calls here keeps the
 rpc path's buckets (``plan_buckets``: same names, dtypes, shapes, one ``update_weights`` per bucket, each bounded
 and named to the watchdog) and copies nothing: a handle points at the trainer's tensor in the engine's dtype.
+vLLM's layerwise reload keeps a layer's tensors until its last one arrives (perhaps in a later bucket), so they all
+stay alive and unchanged until finish_weight_update returns.
 The handles travel pickled in ``ipc_handles_pickled`` (a string, as vLLM's HTTP client sends them), which the
 engine accepts with VLLM_ALLOW_INSECURE_SERIALIZATION=1, set in the engine's environment only: the pickle comes
 from the trainer process that started the engine.
@@ -52,8 +54,8 @@ class WeightSyncError(RuntimeError):
 
 def plan_buckets(sizes: Sequence[int], cap: int) -> list[list[int]]:
     """Indices of tensors (``sizes`` in bytes, in order) grouped into buckets of at most ``cap`` bytes: a tensor
-    that would overflow the current bucket starts the next,
-    and one larger than ``cap`` is a bucket of its own. The rpc and ipc transports send the same buckets."""
+    that would overflow the current bucket starts the next, and one larger than ``cap`` is a bucket of its own.
+    The rpc and ipc transports send the same buckets."""
     buckets: list[list[int]] = []
     size = 0
     for i, n in enumerate(sizes):
