@@ -14,8 +14,11 @@
    when vllm is importable;
 4. benchmarks/backends.py: the ES overhead ratio (ES update time / time to generate the same rollouts with
    fixed weights), split into generation / perturb+restore / update, for each backend;
-5. with vLLM: benchmarks/eval_backends.py, evaluation tokens/s on vLLM against HF at equal work, and
-   benchmarks/grpo_step_split.py, a GRPO step (rollout, weight load, training) with vLLM rollouts against HF's.
+5. with vLLM: benchmarks/eval_backends.py, evaluation tokens/s on vLLM against HF at equal work,
+   benchmarks/grpo_step_split.py, a GRPO step (rollout, weight load, training) with vLLM rollouts against HF's,
+   and the GRPO weight sync into a separate engine (backend.policy_engine: separate) by each transport
+   (backend.weight_transfer: rpc, bytes through collective_rpc; ipc, vLLM's weight-transfer API with CUDA IPC
+   handles, esbatch/backends/weight_transfer.py), in GB/s; the ipc row is that path's first run on a GPU.
 Then one markdown table: quantity | measured | bound / reference | ratio | ok. Rows marked ok or FAILED are
 judged (a step that fails, noise that differs, ES memory above inference + its state + workspace); speed rows
 are "info": figures against their bound, which never fail the check. Exits 2 without CUDA, 1 when a row failed.
@@ -190,6 +193,7 @@ def grpo_rows(args: argparse.Namespace, tmp: Path, timeout: float) -> list[Row]:
     out = tmp / "grpo_split.json"
     cmd = [sys.executable, "benchmarks/grpo_step_split.py", "--models", args.model, "--device", "cuda"]
     cmd += ["--dtype", args.dtype, "--batch", "8", "--group", "8", "--tokens", "256", "--json", str(out)]
+    cmd += ["--backends", "vllm", "hf"]  # the separate engine's syncs: sync_rows, by transport
     p = run(cmd, timeout)
     print(tail(p, 12))
     what = "GRPO step, vLLM rollouts vs HF (B=8 x G=8, 256 tokens)"
@@ -203,13 +207,81 @@ def grpo_rows(args: argparse.Namespace, tmp: Path, timeout: float) -> list[Row]:
         f"hf: rollout {got['hf']['rollout']:.2f} + train {got['hf']['train']:.2f} s"
     )
     rows = [Row(what, measured, "hf step / vllm step", step["hf"] / step["vllm"])]
-    for b, where in (("vllm", "in the trainer's process"), ("vllm-separate", "its own process (packed RPC)")):
-        if b in got:  # the weight sync alone: every tensor, bucketed, copied in and checked (median of 5)
-            r = got[b]
-            gbs = r["mb"] / 1024 / r["load_only"]
-            rows.append(
-                Row(f"GRPO weight sync, engine {where}", f"{r['mb']:.0f} MB in {r['load_only']:.3f} s", "GB/s", gbs)
+    if "vllm" in got:  # the weight sync alone: every tensor, bucketed, copied in and checked (median of 5)
+        r = got["vllm"]
+        gbs = r["mb"] / 1024 / r["load_only"]
+        rows.append(
+            Row(
+                "GRPO weight sync, engine in the trainer's process",
+                f"{r['mb']:.0f} MB in {r['load_only']:.3f} s",
+                "GB/s",
+                gbs,
             )
+        )
+    return rows
+
+
+SYNC_TRANSPORTS = {"rpc": "bytes through collective_rpc", "ipc": "vLLM's weight-transfer API, CUDA IPC"}
+
+
+def sync_probe(model: str, dtype: str, transport: str, out: Path) -> None:
+    """(--sync-probe, in a process of its own) A GRPO policy engine in its own process (VLLMPolicy, policy_engine
+    separate) loaded with the model's weights on the GPU through ``transport``: one untimed sync, then 5 timed
+    (cast, buckets, the transfer, prefix cache reset, sampled coordinates checked); the median to ``out``."""
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from esbatch.backends.vllm_policy import VLLMPolicy
+    from esbatch.models import model_path
+
+    path, rev = model_path(model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: rpc only, to try the probe itself
+    net = AutoModelForCausalLM.from_pretrained(path, revision=rev, torch_dtype=getattr(torch, dtype)).to(device)
+    params = list(net.named_parameters())
+    gen = VLLMPolicy(
+        path,
+        revision=rev,
+        dtype=dtype,
+        in_process=False,
+        weight_transfer=transport,
+        gpu_memory_utilization=0.3,
+        kv_cache_gb=1,
+        max_model_len=256,
+        rpc_timeout_s=120,
+    )
+    try:
+        gen.load_policy(params)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            gen.load_policy(params)
+            times.append(time.perf_counter() - t0)
+        sync = {"mb": gen.last_sync["bytes"] / 2**20, "buckets": gen.last_sync["buckets"]}
+        out.write_text(json.dumps({"transport": transport, "load_only": statistics.median(times), **sync}))
+    finally:
+        gen.close()
+
+
+def sync_rows(args: argparse.Namespace, tmp: Path, timeout: float) -> list[Row]:
+    """The GRPO weight sync into a separate engine by each backend.weight_transfer, each in a process of its own
+    (sync_probe): GB/s (2^30 bytes) of the whole sync."""
+    rows = []
+    for i, (transport, how) in enumerate(SYNC_TRANSPORTS.items()):
+        out, limit = tmp / f"sync_{transport}.json", timeout / (len(SYNC_TRANSPORTS) - i)
+        cmd = [sys.executable, "scripts/gpu_check.py", "--sync-probe", transport, "--model", args.model]
+        t0 = time.time()
+        p = run(cmd + ["--dtype", args.dtype, "--json", str(out)], limit)
+        timeout -= time.time() - t0
+        what = f"GRPO weight sync, engine in its own process, {transport} ({how})"
+        if not out.exists():
+            print(tail(p, 20))
+            rows.append(Row(what, "not measured", status=failure(p, limit) if p is None or p.returncode else "FAILED"))
+            continue
+        r = json.loads(out.read_text())
+        measured = f"{r['mb']:.0f} MB in {r['load_only']:.3f} s ({r['buckets']} buckets)"
+        rows.append(Row(what, measured, "GB/s", r["mb"] / 1024 / r["load_only"]))
     return rows
 
 
@@ -231,8 +303,13 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole check")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: step 1 and the table only")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on CUDA, float32 on the CPU")
+    ap.add_argument("--sync-probe", choices=list(SYNC_TRANSPORTS), help=argparse.SUPPRESS)  # sync_rows' process
+    ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.sync_probe:
+        sync_probe(args.model, args.dtype, args.sync_probe, Path(args.json))
+        return 0
     import torch
 
     cuda = args.device == "cuda"
@@ -256,8 +333,9 @@ def main() -> int:
                 rows.append(es_run_row(args, name, tmp, left() / (len(backends) - i + 1)))
             rows += overhead_rows(args, backends, tmp, left())
             if "vllm" in backends:
-                rows += eval_rows(args, tmp, left() / 2)
-                rows += grpo_rows(args, tmp, left())
+                rows += eval_rows(args, tmp, left() / 3)
+                rows += grpo_rows(args, tmp, left() / 2)
+                rows += sync_rows(args, tmp, left())
         else:
             skipped = "n/a: --device cpu"
             rows.append(Row("ES noise, CUDA vs CPU kernel, every tensor", "not run", status="n/a: no CUDA"))
