@@ -266,7 +266,7 @@ def test_an_engine_that_ignores_a_weight_load_stops_the_run(tmp_path, vllm_tiny)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-3000:]
     assert "StaleEngineError" in out and "its rollouts would come from stale weights" in out, out[-3000:]
-    assert "(GRPO rollouts, separate process)" in out
+    assert "(GRPO rollouts, separate process, weight transfer rpc)" in out  # CPU: rpc, the only transport
     rd = tmp_path / "runs" / "stale"
     log = [yaml.safe_load(x) for x in (rd / "log.jsonl").read_text().splitlines()]
     # the engine started on the model files, which the start-up load matches: the first step ran, its optimizer
