@@ -12,34 +12,13 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
 from mlflow.tracking import MlflowClient
+from store_outage import Outage
 
 from esbatch.config import config_from_dict
 from esbatch.tracking import MLflowTracker, TrackingWriter, spool_path
 from esbatch.tracking.pending import drain
 from esbatch.tracking.writer import quiet_store_errors
 from esbatch.train.lifecycle import RunSession
-
-WRITES = ("log_batch", "set_terminated", "update_run", "get_run", "get_metric_history", "log_artifact")
-
-
-class Store:
-    """A client's store calls, counted; they raise "database is locked" while ``down``."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, client: MlflowClient, down: bool = False) -> None:
-        self.down, self.calls = down, 0
-        for name in WRITES:
-            monkeypatch.setattr(client, name, self._guard(getattr(client, name)))
-
-    def _guard(self, real):
-        def call(*args, **kwargs):
-            self.calls += 1
-            if self.down:
-                raise MlflowException(
-                    "(sqlite3.OperationalError) database is locked", error_code=TEMPORARILY_UNAVAILABLE
-                )
-            return real(*args, **kwargs)
-
-        return call
 
 
 @pytest.fixture
@@ -48,7 +27,7 @@ def writer(tmp_path, monkeypatch):
     tr = MLflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "t", spool=spool_path(tmp_path / "run"), sleep=None)
     tr.start("r", {}, {})
     w = TrackingWriter(tr, start=False)
-    w.store = Store(monkeypatch, tr.client)
+    w.store = Outage(monkeypatch, tr.client, down=False)
     return w
 
 

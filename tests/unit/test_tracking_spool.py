@@ -14,6 +14,7 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, TEMPORARILY_UNAVAILABLE
 from mlflow.tracking import MlflowClient
+from store_outage import Outage
 
 from esbatch.config import config_from_dict
 from esbatch.tracking import MLflowTracker, spool_path
@@ -23,7 +24,6 @@ from esbatch.tracking.spool import BACKOFF_S, RETRY_EVERY_S
 from esbatch.train.lifecycle import RunSession
 
 KEYS = ("reward/mean", "loss")
-WRITES = ("log_batch", "set_terminated", "update_run", "get_run", "get_metric_history", "log_artifact")
 
 
 class Clock:
@@ -32,26 +32,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-class Outage:
-    """The store of one client: its reads and writes raise MLflow's "database is locked" while ``down``."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, client: MlflowClient, down: bool = True) -> None:
-        self.down, self.refused = down, 0
-        for name in WRITES:
-            monkeypatch.setattr(client, name, self._guard(getattr(client, name)))
-
-    def _guard(self, real):
-        def call(*args, **kwargs):
-            if self.down:
-                self.refused += 1
-                raise MlflowException(
-                    "(sqlite3.OperationalError) database is locked", error_code=TEMPORARILY_UNAVAILABLE
-                )
-            return real(*args, **kwargs)
-
-        return call
 
 
 @pytest.fixture
