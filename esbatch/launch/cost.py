@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from esbatch.backends.config import resolve_weight_transfer
 from esbatch.config.eval import eval_config_from_dict
 from esbatch.config.launcher import LauncherProfile
 from esbatch.es.config import ESConfig
@@ -45,12 +46,14 @@ SAMPLE_BYTES_PER_TOKEN = 4  # eval samples: ~4 characters of text per token (ass
 SAMPLE_OVERHEAD = 100  # bytes per response besides its text (n_tokens, entropy, verdict, key)
 PROBLEM_BYTES = 1000  # bytes per problem row besides its responses (question, gold)
 LOG_BYTES = (1000, 150)  # log.jsonl per update: a record, plus per ES member (seed, sign, reward, z, weight)
-# GB/s (2^30 bytes) of a GRPO weight sync into the rank's vLLM engine, by device kind and backend.policy_engine
+# GB/s (2^30 bytes) of a GRPO weight sync into the rank's vLLM engine, by device kind and transport (the engine in
+# the rank's process, else backend.weight_transfer: esbatch/backends/config.py:resolve_weight_transfer)
 SYNC_RATES = {
     ("cpu", "in_process"): (11.2, "measured on CPU, SmolLM2 fp32: benchmarks/grpo_step_split.py, 2026-12-06"),
-    ("cpu", "separate"): (0.26, "measured on CPU, SmolLM2 fp32: benchmarks/grpo_step_split.py, 2026-12-06"),
+    ("cpu", "rpc"): (0.26, "measured on CPU, SmolLM2 fp32: benchmarks/grpo_step_split.py, 2026-12-06"),
     ("gpu", "in_process"): (25.0, "assumed, not run on a GPU: verl copied Qwen2.5-7B bf16 in process in 0.55 s"),
-    ("gpu", "separate"): (0.3, "assumed, not run on a GPU: packed bytes through collective_rpc, as on CPU"),
+    ("gpu", "rpc"): (0.3, "assumed, not run on a GPU: packed bytes through collective_rpc, as on CPU"),
+    ("gpu", "ipc"): (18.0, "assumed, not run on a GPU: verl sent Qwen2.5-7B bf16 over NCCL in 0.79 s"),
 }
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
 
@@ -168,7 +171,8 @@ def training_parts(cfg: TrainConfig) -> tuple[list[tuple[str, int]], str | None]
 
 def weight_syncs(cfg: TrainConfig, params: int | None, device: str, devices: int = 1) -> tuple[str, float] | None:
     """(what, device-seconds) of a GRPO run's weight syncs into its vLLM engines: one per generated batch on each
-    of ``devices``, every parameter in the engine's dtype (fp32 on CPU), at SYNC_RATES; None for other runs."""
+    of ``devices``, every parameter in the engine's dtype (fp32 on CPU), at SYNC_RATES by the transport the run
+    resolves to on ``device``; None for other runs."""
     if cfg.algorithm != "grpo" or cfg.backend.name != "vllm" or params is None:
         return None
     U = planned_updates(cfg)
@@ -176,9 +180,14 @@ def weight_syncs(cfg: TrainConfig, params: int | None, device: str, devices: int
         return None
     batches = cfg.algo().data_batches(cfg, U)
     kind = "cpu" if device == "cpu" else "gpu"
-    gbps, source = SYNC_RATES[kind, cfg.backend.policy_engine]
+    b = cfg.backend
+    try:
+        transport = resolve_weight_transfer(b.weight_transfer, b.policy_engine, on_gpu=kind == "gpu")
+    except ValueError:  # ipc on a CPU plan: the sweep refuses it (launch/sweep.py:engine_errors)
+        return None
+    gbps, source = SYNC_RATES[kind, transport]
     nbytes = params * (4 if kind == "cpu" else DTYPE_BYTES.get(cfg.model.dtype, 2))
-    what = f"weight syncs {batches} x {human(nbytes)} at {gbps:g} GB/s ({cfg.backend.policy_engine}; {source})"
+    what = f"weight syncs {batches} x {human(nbytes)} at {gbps:g} GB/s ({transport}; {source})"
     return what, devices * batches * nbytes / (gbps * 2**30)
 
 

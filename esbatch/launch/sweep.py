@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from esbatch.backends.config import weight_transfer_problem
 from esbatch.config.aggregate import parse_specs
 from esbatch.config.launcher import LauncherProfile, load_profile
 from esbatch.config.loader import find, read_yaml
@@ -206,17 +207,27 @@ def load_sweep(
 
 
 def engine_errors(runs: list[PlannedRun], profile: LauncherProfile, launcher: str) -> list[str]:
-    """Runs whose vLLM engines (one per GPU) outnumber the GPUs a task of a GPU profile gets: refused here, not
-    when the job starts on the node."""
-    if not profile.gpus_per_node:
-        return []
-    return [
-        f"run {r.key} ({r.label}): backend.engines: {r.config.backend.engines} vLLM engines need a GPU each, but "
-        f"launcher profile {launcher} gives a task gpus_per_node: {profile.gpus_per_node}; set "
-        f"launcher_overrides: {{gpus_per_node: {r.config.backend.engines}}} or lower backend.engines"
-        for r in runs
-        if r.config.backend.name == "vllm" and r.config.backend.engines > profile.gpus_per_node
-    ]
+    """Runs whose vLLM engines cannot start on the launcher profile's tasks, refused here rather than when the job
+    starts on the node: more engines (one per GPU) than the GPUs a task gets, or a GRPO engine whose
+    backend.weight_transfer needs CUDA (ipc) on a profile without GPUs (gpus_per_node: 0, the CPU plan)."""
+    errors = []
+    for r in runs:
+        b = r.config.backend
+        if b.name != "vllm":
+            continue
+        if profile.gpus_per_node and b.engines > profile.gpus_per_node:
+            errors.append(
+                f"run {r.key} ({r.label}): backend.engines: {b.engines} vLLM engines need a GPU each, but "
+                f"launcher profile {launcher} gives a task gpus_per_node: {profile.gpus_per_node}; set "
+                f"launcher_overrides: {{gpus_per_node: {b.engines}}} or lower backend.engines"
+            )
+        why = weight_transfer_problem(b.weight_transfer, b.policy_engine, on_gpu=bool(profile.gpus_per_node))
+        if r.config.algorithm == "grpo" and why:
+            errors.append(
+                f"run {r.key} ({r.label}): backend.{why} (launcher profile {launcher}: gpus_per_node: "
+                f"{profile.gpus_per_node})"
+            )
+    return errors
 
 
 SWEEP_PHASES = ("evaluate.", "threshold.")  # --set keys that change a phase of the sweep file, not the runs

@@ -338,3 +338,34 @@ def test_vllm_engines_beyond_a_tasks_gpus_are_refused_before_submitting(
     sweep.update(launcher="local", launcher_overrides={})
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(sweep))
     assert len(load_sweep(str(tmp_path / "s.yaml")).runs) == 1
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "engine", "transfer", "launcher", "refused"),
+    [
+        ("grpo", "separate", "ipc", "local", True),  # CUDA IPC on a profile without GPUs
+        ("grpo", "separate", "ipc", "h100", False),
+        ("grpo", "separate", "rpc", "local", False),
+        ("grpo", "separate", "auto", "local", False),  # auto: rpc on CPU
+        ("grpo", "in_process", "auto", "h100", False),
+        ("es", "separate", "ipc", "local", False),  # ES engines take ES's own weight path, not the GRPO sync
+    ],
+)
+def test_a_grpo_weight_transfer_the_profile_cannot_run_is_refused_before_submitting(
+    tmp_path, tiny_model_dir, algorithm, engine, transfer, launcher, refused
+):
+    """backend.weight_transfer: ipc needs CUDA: a GRPO sweep on a launcher profile without GPUs (gpus_per_node: 0)
+    is named at planning, with the key and the valid values, not when the job starts (esbatch/launch/sweep.py:
+    engine_errors)."""
+    backend = {"name": "vllm", "policy_engine": engine, "weight_transfer": transfer}
+    grpo = {"updates": 1} if algorithm == "grpo" else None
+    base = toy_config(tiny_model_dir, es_updates=1, algorithm=algorithm, backend=backend, grpo=grpo)
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    sweep = {"name": "s", "base": "base.yaml", "output_dir": str(tmp_path / "out"), "launcher": launcher}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(sweep))
+    if refused:
+        want = r"backend\.weight_transfer: ipc needs CUDA.*Valid on CPU: auto, rpc \(launcher profile local: gpus_per"
+        with pytest.raises(ConfigError, match=want):
+            load_sweep(str(tmp_path / "s.yaml"))
+    else:
+        assert len(load_sweep(str(tmp_path / "s.yaml")).runs) == 1
