@@ -236,6 +236,7 @@ class RunSession:
         if self.changes:  # budgets and bookkeeping changed on this resume: MLflow keeps its params, so a tag
             resumes = [*resumes, {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changed": self.changes}]
             tags[f"resume.{len(resumes)}.changed"] = fingerprint.describe(self.changes)
+        self.run_id = previous  # until the store reopens it: a resume that cannot still ends it (``_close``)
         self.run_id = self.tracker.start(self.run_name, cfg.params(), tags, run_id=previous)
         self._logged = self.tracker.last_step("reward/mean") if self.resume else -1
         self.tracker = TrackingWriter(self.tracker)  # from here on, writes go through the spool and a thread
@@ -284,6 +285,8 @@ class RunSession:
             raise
         finally:
             if self.tracker is not None:
+                if self.tracker.run_id is None and self.run_id is not None:  # the store refused the reopening:
+                    self.tracker.run_id = self.run_id  # MLflow ends as run.json says, not as the last process left it
                 self.tracker.end(self.status)
             self.ranks.close(ok=self.status == "FINISHED")
 
