@@ -9,8 +9,10 @@ goes on with one warning on stderr, and later writes go to the spool too and try
 (``RETRY_EVERY_S``), to send it, oldest first; the run's end tries with the full backoff. ``esbatch aggregate``
 sends what is left (esbatch/tracking/pending.py).
 
-Each (metric key, step) reaches MLflow once: sending skips the steps MLflow already has, so a crash between
-sending and emptying the spool sends nothing twice. Lines of a run the store does not know (a moved or deleted
+A line is one write: metrics at a step, an artifact, dataset inputs, run tags, experiment tags, or the run's
+status. Each (metric key, step) reaches MLflow once: sending skips the steps MLflow already has, so a crash between
+sending and emptying the spool sends nothing twice (a dataset input or a tag sent again is one MLflow already
+keeps once). Lines of a run the store does not know (a moved or deleted
 store) are dropped with a warning: the folder's log.jsonl and eval.jsonl still hold them.
 """
 
@@ -282,7 +284,7 @@ def send(client: Any, recs: Iterable[dict[str, Any]], cache: SendCache | None = 
 def _send(
     client: Any, recs: Iterable[dict[str, Any]], have: dict[tuple[str, str], set[int]], known: dict[str, bool]
 ) -> int:
-    from mlflow.entities import Metric
+    from mlflow.entities import Metric, RunTag
     from mlflow.exceptions import MlflowException
 
     batch: list[Any] = []
@@ -334,6 +336,14 @@ def _send(
                 client.log_artifacts(rid, str(path), r.get("artifact_path"))
             else:
                 client.log_artifact(rid, str(path), r.get("artifact_path"))
+        elif "inputs" in r:  # MLflow dataset inputs: the store keeps each (dataset, run) once
+            client.log_inputs(rid, datasets=[_dataset_input(d) for d in r["inputs"]])
+        elif "tags" in r:  # run tags: setting one again to its value changes nothing
+            client.log_batch(rid, tags=[RunTag(k, str(v)) for k, v in r["tags"].items()])
+        elif "experiment_tags" in r:  # tags of the run's experiment (e.g. a saved view of the runs table)
+            exp = client.get_run(rid).info.experiment_id
+            for k, v in r["experiment_tags"].items():
+                client.set_experiment_tag(exp, k, str(v))
     flush()
     if dropped:
         gone = sorted(k for k, v in known.items() if not v)
@@ -343,6 +353,13 @@ def _send(
             file=sys.stderr,
         )
     return sent
+
+
+def _dataset_input(d: dict[str, Any]) -> Any:
+    """A spooled dataset input (esbatch/tracking/mlflow_tracker.py: dataset_input) as MLflow's entity."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    return DatasetInput(Dataset(**d["dataset"]), [InputTag(k, str(v)) for k, v in d.get("tags", {}).items()])
 
 
 _ANCHOR = Anchor()  # this process's wall clock, read once: later times add monotonic elapsed time

@@ -60,7 +60,7 @@ def quiet_store_errors() -> None:
 
 class TrackingWriter:
     """A started ``MLflowTracker`` whose writes are sent from a thread (``start=False``: no thread; a test calls
-    ``pump`` itself). ``log_metrics`` and ``log_artifact`` only append to the spool."""
+    ``pump`` itself). ``log_metrics``, ``log_artifact`` and ``log_inputs`` only append to the spool."""
 
     def __init__(self, tracker: MLflowTracker, *, start: bool = True, delays: tuple[float, ...] = BACKOFF_S) -> None:
         if tracker.spool is None or tracker.run_id is None:
@@ -94,6 +94,10 @@ class TrackingWriter:
         self._put(self.tracker._record(artifact=str(Path(path).resolve()), artifact_path=artifact_path))
 
     log_artifacts = log_artifact
+
+    def log_inputs(self, inputs: list[dict[str, Any]]) -> None:
+        if inputs:
+            self._put(self.tracker._record(inputs=inputs))
 
     def last_step(self, key: str) -> int:
         return self.tracker.last_step(key)
