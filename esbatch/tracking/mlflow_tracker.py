@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
+import json
 import os
 import shutil
 import socket
@@ -17,6 +19,7 @@ import sqlite3
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -196,6 +199,67 @@ def run_tags() -> dict[str, str]:
     return {"git_commit": _git_commit(), "host": socket.gethostname(), "esbatch_version": esbatch.__version__}
 
 
+def point_tags(point: dict[str, Any]) -> dict[str, str]:
+    """A sweep run's grid point as MLflow tags named by the sweep's own keys (``es.population_size``, ``method``),
+    so the runs table groups by them ("Group by" a tag); config keys are params with the same names too."""
+    return {str(k): str(v) for k, v in point.items()}
+
+
+# ----------------------------------------------------------------------------- datasets (MLflow dataset inputs)
+DIGEST_LEN = 16  # hex characters of sha256 kept (MLflow's own digests are 8; its column holds up to 36)
+
+
+def problems_digest(rows: list[tuple[str, str]]) -> str:
+    """The content digest of a run's problems, in order: sha256 of their JSON ``[[question, answer], ...]``
+    (compact separators, UTF-8), first DIGEST_LEN hex characters. Two runs show the same digest exactly when they
+    trained (or were scored) on the same problems in the same order."""
+    text = json.dumps([[q, a] for q, a in rows], ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:DIGEST_LEN]
+
+
+def dataset_source(
+    data_path: str | None = None,
+    hub_id: str | None = None,
+    hub_config: str | None = None,
+    hub_split: str | None = None,
+    revision: str | None = None,
+    generator: dict[str, Any] | None = None,
+) -> Any:
+    """Where a task's problems come from, as an MLflow dataset source: a local data file (``local``), a Hugging
+    Face hub dataset (``hugging_face``: id, config, split, revision), else the task's generator (``code``: its
+    name, params and seed, which reproduce the problems)."""
+    if data_path:
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+
+        with warnings.catch_warnings():  # MLflow registers two local-file sources alike and warns that it picks one
+            warnings.simplefilter("ignore", UserWarning)
+            return resolve_dataset_source(str(Path(data_path).resolve()))
+    if hub_id:
+        from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+
+        return HuggingFaceDatasetSource(hub_id, config_name=hub_config, split=hub_split, revision=revision)
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+
+    gen = generator or {}
+    return CodeDatasetSource({f"esbatch.{k}": v if isinstance(v, str) else json.dumps(v) for k, v in gen.items()})
+
+
+def dataset_input(name: str, rows: list[tuple[str, str]], source: Any, split: str, context: str) -> dict[str, Any]:
+    """One MLflow dataset input as the spool keeps it (plain strings): the dataset's name, digest
+    (``problems_digest``), source type and source, schema and profile (``num_rows``: its size), made by
+    ``mlflow.data.from_pandas`` over the problems' question and answer columns; and the input's tags, MLflow's
+    context (``training`` / ``eval``, what the UI's Datasets column shows) and ``esbatch.split``."""
+    import mlflow.data
+    import pandas as pd
+
+    df = pd.DataFrame([list(r) for r in rows], columns=["question", "answer"])
+    ds = mlflow.data.from_pandas(df, source=source, name=name, digest=problems_digest(rows))
+    fields = ds.to_dict()
+    keep = ("name", "digest", "source_type", "source", "schema", "profile")
+    tags = {"mlflow.data.context": context, "esbatch.split": split}
+    return {"dataset": {k: fields.get(k) for k in keep}, "tags": tags}
+
+
 class MLflowTracker:
     """One MLflow run per training run; resumable by run id so a resumed run keeps one MLflow run.
 
@@ -353,6 +417,11 @@ class MLflowTracker:
     def log_artifacts(self, path: str | Path, artifact_path: str | None = None) -> None:
         self._write(self._record(artifact=str(Path(path).resolve()), artifact_path=artifact_path))
 
+    def log_inputs(self, inputs: list[dict[str, Any]]) -> None:
+        """Dataset inputs (``dataset_input``); the store keeps each (dataset, run) once, however often sent."""
+        if inputs:
+            self._write(self._record(inputs=inputs))
+
     def end(self, status: str = "FINISHED") -> None:
         """Mark the run ended; a spool left from the run is sent first, with the full backoff. What the store
         still refuses stays in the spool (`esbatch aggregate` sends it)."""
@@ -454,6 +523,8 @@ class NullTracker:
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
 
     def log_artifacts(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+
+    def log_inputs(self, inputs: list[dict[str, Any]]) -> None: ...
 
     def end(self, status: str = "FINISHED") -> None: ...
 
