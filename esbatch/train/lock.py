@@ -26,6 +26,7 @@ from esbatch.train.rundir import RunFolderError
 
 LOCK_FILE = ".lock"
 HELD_ENV = "ESBATCH_LOCK_HELD"  # "<pid>:<folder>": the parent process holds this folder's lock (torchrun ranks)
+PROC = Path("/proc")  # where a process's parent is read (a test points it at a made-up process tree)
 
 _held: dict[str, list[int]] = {}  # resolved folder -> [fd, depth]
 
@@ -89,7 +90,7 @@ def _pid_is_ancestor(pid: str) -> bool:
         if p == int(pid):
             return True
         try:
-            stat = Path(f"/proc/{p}/stat").read_text()
+            stat = (PROC / str(p) / "stat").read_text()
             p = int(stat.rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             return False
