@@ -250,6 +250,7 @@ class RunSession:
             pid=os.getpid(),
             **({"resumes": resumes} if self.changes else {}),
             **meta,
+            drop=("reason",),  # an earlier process's failure: this one may end otherwise
         )
         if previous is None:
             self.tracker.log_artifact(self.rd.config)
@@ -279,7 +280,8 @@ class RunSession:
         why = {"reason": f"{kind.__name__}: {exc}"[:2000]} if self.status == "FAILED" and kind else {}
         try:
             if self.lead and self.rd.path.exists():
-                self.rd.write_meta(status=self.status.lower(), peak_rss_mb=round(peak_rss_mb(), 1), **why)
+                rss = round(peak_rss_mb(), 1)
+                self.rd.write_meta(status=self.status.lower(), peak_rss_mb=rss, **why, drop=() if why else ("reason",))
         except BaseException:  # run.json cannot say how the run ended (a full disk, an immutable file): MLflow
             self.status = "FAILED"  # says failed, as the exit status does, instead of staying RUNNING
             raise

@@ -350,8 +350,9 @@ class RunDir:
             "run then opens a new MLflow run).",
         )
 
-    def write_meta(self, **fields: Any) -> None:
-        meta = {**self.read_meta(), **fields}
+    def write_meta(self, *, drop: tuple[str, ...] = (), **fields: Any) -> None:
+        """Update run.json with ``fields``; the keys in ``drop`` go (a failure's reason, once the run goes on)."""
+        meta = {k: v for k, v in {**self.read_meta(), **fields}.items() if k not in drop}
         durable.write_text(self.meta, json.dumps(meta, indent=2))
 
     def progress(self) -> int:
