@@ -214,19 +214,22 @@ class Executor:
         self.outage, self.now, self.plan = outage, 0.0, []
         self.writer: TrackingWriter | None = None
         mp.setattr(writing, "time", SimpleNamespace(monotonic=lambda: self.now))
-        mp.setattr(lifecycle, "TrackingWriter", self.make)
+        executor = self
 
-    def make(self, tracker: Any) -> TrackingWriter:
-        w = TrackingWriter(tracker, start=False)
-        w._thread, w._cond = _Alive(), _Tries(self, w)
-        self.writer = w
-        return w
+        class Writer(TrackingWriter):  # what RunSession.start makes (and its hang hook checks for)
+            def __init__(self, tracker: Any) -> None:
+                super().__init__(tracker, start=False)
+                self._thread, self._cond = _Alive(), _Tries(executor, self)
+                executor.writer = self
+
+        mp.setattr(lifecycle, "TrackingWriter", Writer)
 
     def thread_try(self, w: TrackingWriter, timeout: float) -> None:
         if not self.plan:  # no more tries within the wait (the thread backs off): time passes
             self.now += timeout
             return
-        up, took = self.plan.pop(0)
+        planned = self.plan.pop(0)  # None: the store as it is now, a try that never ends while it is down
+        up, took = planned if planned is not None else (not self.outage.down, 1e9 if self.outage.down else 0.5)
         self.outage.down = not up
         w.pump()
         self.now += took
