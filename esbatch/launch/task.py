@@ -29,6 +29,7 @@ from esbatch.es.config import ESConfig
 from esbatch.eval.runner import evaluate
 from esbatch.launch.evals import SOURCE_FILE, evaluated_updates, is_eval_key
 from esbatch.launch.state import SweepDir, disk_state
+from esbatch.tracking import point_tags
 from esbatch.train import fingerprint, stop, train, watchdog
 from esbatch.train.config import TrainConfig
 from esbatch.train.lock import writer_lock
@@ -117,7 +118,13 @@ def run_task(sweep_dir: str | Path, key: str, progress: bool = False) -> dict[st
         raise KeyError(f"run {key} is not in the plan of {sd.meta_path}")
     cfg = sd.plan_config(key)
     rd = sd.run_dir(key)
-    tags = {"esbatch.sweep": meta["name"], "esbatch.run_key": key, "esbatch.label": entry["label"], **slurm_tags()}
+    tags = {
+        **point_tags(entry.get("point", {})),  # the sweep's own keys (es.population_size, method): "Group by" them
+        "esbatch.sweep": meta["name"],
+        "esbatch.run_key": key,
+        "esbatch.label": entry["label"],
+        **slurm_tags(),
+    }
     if meta.get("tracking") == "offline":  # a private store in the run folder; `esbatch aggregate` merges it
         cfg.tracking.uri = rd.offline_uri()
     else:

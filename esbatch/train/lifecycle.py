@@ -30,6 +30,8 @@ from esbatch.tracking import (
     MLflowTracker,
     NullTracker,
     TrackingWriter,
+    dataset_input,
+    dataset_source,
     default_tracking_uri,
     parent_tag,
     run_tags,
@@ -369,6 +371,8 @@ def run_updates(run: RunSession, trainer: Trainer, progress: bool) -> dict[str, 
         # rank 0 opens the MLflow run and logs what the store missed: untimed too (~40 s measured on a loaded
         # 2-core machine), so the ranks meet again before the timed loop
         run.start(total, n_train=trainer.n_train)
+        if run.lead and getattr(trainer, "probs", None) is not None:
+            run.tracker.log_inputs(dataset_inputs(run.cfg, trainer.probs))
         run.log_missing_steps(records)
         run.ranks.barrier()
         _train_loop(run, trainer, start, total, progress)
@@ -384,6 +388,28 @@ def run_updates(run: RunSession, trainer: Trainer, progress: bool) -> dict[str, 
         return run.summary(total, **trainer.summary())
     finally:
         trainer.close()
+
+
+def dataset_inputs(cfg: TrainConfig, probs: Any) -> list[dict[str, Any]]:
+    """The problems a run trains on (context ``training``) and is scored on (``eval``) as MLflow dataset inputs:
+    named ``<task>-train`` / ``<task>-heldout``, with the task's source (its data file, hub dataset, or generator
+    with params and seed) and a digest of the problems themselves (esbatch/tracking/mlflow_tracker.py)."""
+    task = probs.task
+    out = []
+    for split, context, examples in (("train", "training", probs.train), ("heldout", "eval", probs.heldout)):
+        if not examples:
+            continue
+        source = dataset_source(
+            data_path=getattr(task, "data_path", None),
+            hub_id=getattr(task, "hub_id", None),
+            hub_config=getattr(task, "hub_config", None),
+            hub_split=getattr(task, f"{split}_split", None) or getattr(task, "split", None),
+            revision=getattr(task, "revision", None),
+            generator={"task": cfg.task.name, "params": cfg.task.params, "seed": cfg.run.seed},
+        )
+        rows = [(e.question, e.answer) for e in examples]
+        out.append(dataset_input(f"{cfg.task.name}-{split}", rows, source, split, context))
+    return out
 
 
 def _restore(run: RunSession, trainer: Trainer) -> tuple[int, list[dict[str, Any]]]:

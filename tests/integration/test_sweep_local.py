@@ -2,6 +2,7 @@
 
 The Ctrl-C lands inside update 2 of the first run by construction: its scorer waits at a gate (tests/gate.py)."""
 
+import hashlib
 import json
 import os
 import signal
@@ -13,6 +14,8 @@ import yaml
 from gate import Gate, gate_path
 from mlflow.tracking import MlflowClient
 from toy import gated, toy_config
+
+from esbatch.tasks import TASKS
 
 ROOT = Path(__file__).resolve().parents[2]
 UPDATES = 4
@@ -94,6 +97,26 @@ def test_interrupted_local_sweep_resumes_without_duplicates(tmp_path, tiny_model
         steps = [m.step for m in client.get_metric_history(k.info.run_id, "reward/mean")]
         assert sorted(steps) == list(range(1, UPDATES + 1))  # each update logged exactly once
         assert k.info.status == "FINISHED"
+    # the compare view (issue 43): each run tagged by the sweep's own key, with the grid's value; its problems as
+    # MLflow datasets (once, though one run was resumed), digests of the problems it used; the parent the results
+    assert sorted(k.data.tags["es.population_size"] for k in kids) == ["2", "4"]
+    assert all(k.data.tags["es.population_size"] == k.data.params["es.population_size"] for k in kids)
+    cfg = yaml.safe_load((sweep_dir / "runs" / first / "config.yaml").read_text())
+    task = cfg["task"]["name"]
+    sp = TASKS.get(task)(None, **cfg["task"]["params"])
+    sp = sp.splits(cfg["task"]["train_size"], cfg["task"]["heldout_size"], cfg["task"]["few_shot"], cfg["run"]["seed"])
+    for k in kids:
+        inputs = {d.dataset.name: d for d in client.get_run(k.info.run_id).inputs.dataset_inputs}
+        assert set(inputs) == {f"{task}-train", f"{task}-heldout"}
+        for split, context in (("train", "training"), ("heldout", "eval")):
+            text = json.dumps([[e.question, e.answer] for e in sp[split]], separators=(",", ":"))
+            d = inputs[f"{task}-{split}"]
+            assert d.dataset.digest == hashlib.sha256(text.encode()).hexdigest()[:16]
+            assert json.loads(d.dataset.profile)["num_rows"] == len(sp[split])
+            assert {t.key: t.value for t in d.tags}["mlflow.data.context"] == context
+    (parent,) = [r for r in runs if r.data.tags.get("esbatch.role") == "parent"]
+    arts = {f.path for d in ("results", "sweep") for f in client.list_artifacts(parent.info.run_id, d)}
+    assert {"results/table.md", "results/curves.png", "sweep/loc.yaml", "sweep/sweep.json"} <= arts
     # and a third call finds everything done
     p = run_cli("sweep", str(path))
     assert "skipping 2 finished" in p.stdout and "nothing to submit" in p.stdout
