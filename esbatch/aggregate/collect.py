@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from esbatch.aggregate.evals import default_eval_analyses, load_evals
+from esbatch.aggregate.mlflow_view import pipeline_records, spool_parent, stage_inputs, view_path
 from esbatch.aggregate.report import default_analyses, parse_analyses, write_report
 from esbatch.aggregate.results import RunResult
 from esbatch.config import flatten
@@ -21,7 +22,8 @@ from esbatch.launch.submit import folder_notes, run_states
 from esbatch.tracking import MLflowTracker
 from esbatch.tracking.merge import find_child, merge_run
 from esbatch.tracking.mlflow_tracker import sqlite_lock
-from esbatch.tracking.pending import drain_all
+from esbatch.tracking.pending import drain, drain_all
+from esbatch.tracking.spool import Spool, describe, spool_path
 from esbatch.train.rundir import RunDir, RunFolderError, read_jsonl
 
 STATUS = {"FINISHED": "finished", "RUNNING": "running", "FAILED": "failed", "KILLED": "killed", "SCHEDULED": "pending"}
@@ -169,15 +171,64 @@ def collect(
     return out
 
 
+def spool_pipelines(sd: SweepDir, planned: list[dict[str, Any]]) -> None:
+    """Give each pipeline run of the sweep its stages' joined curves and dataset inputs in MLflow
+    (esbatch/aggregate/mlflow_view.py), through the pipeline folder's spool: sent now, or kept there while the
+    store refuses (nothing is added to a spool that still holds unsent writes: they are sent first)."""
+    from mlflow.tracking import MlflowClient
+
+    for r in planned:
+        rd = sd.run_dir(r["key"])
+        try:
+            meta = rd.read_meta()
+            stage_ids = [st.read_meta().get("mlflow_run_id") for st in rd.stages()]
+        except RunFolderError:
+            continue  # `esbatch status` and the report name a damaged folder
+        rid, uri = meta.get("mlflow_run_id"), meta.get("tracking_uri")
+        sp = Spool(spool_path(rd.path))
+        if meta.get("algorithm") != "pipeline" or not rid or not uri or sp.pending():
+            continue
+        if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists():
+            continue  # a moved store: not a new, empty one
+        inputs = stage_inputs(MlflowClient(tracking_uri=uri), [i for i in stage_ids if i])
+        for rec in pipeline_records(rid, uri, folder_history(rd), inputs):
+            sp.append(rec)
+        drain(rd.path)
+
+
+def publish(sd: SweepDir, meta: dict[str, Any], runs: list[RunResult]) -> None:
+    """The parent run's results, sweep file, tags and compare view (esbatch/aggregate/mlflow_view.py), through the
+    sweep folder's spool; a store that refuses keeps them there for the next `esbatch aggregate`."""
+    from mlflow.tracking import MlflowClient
+
+    def store(uri: str) -> tuple[Any, Any]:
+        return MlflowClient(tracking_uri=uri), lambda: sqlite_lock(uri)
+
+    finished = all(r.status == "finished" for r in runs)
+    metrics = sorted({m for r in runs for m in r.history})
+    sp = spool_parent(sd.path, meta, sd.results, finished, metrics)
+    try:
+        sp.send(store)
+    except Exception as e:  # noqa: BLE001 - the report is written; MLflow gets its copy on the next try
+        print(f"warning: {sp.path}: the sweep's MLflow writes not sent ({describe(e)}); kept", file=sys.stderr)
+        return
+    exp = MlflowClient(tracking_uri=meta["tracking_uri"]).get_run(meta["parent_run_id"]).info.experiment_id
+    print(
+        f"note: MLflow compare view (runs grouped by the sweep's keys, reward and held-out charts first): "
+        f"`mlflow ui --backend-store-uri {meta['tracking_uri']}`, then http://127.0.0.1:5000/{view_path(exp)}",
+        file=sys.stderr,
+    )
+
+
 def aggregate(sweep_dir: str | Path) -> Path:
     """Merge, collect, write ``results/`` and log it to the parent run; returns the results folder."""
-    from mlflow.tracking import MlflowClient
 
     sd = SweepDir(sweep_dir)
     if not sd.exists():
         raise FileNotFoundError(f"{sd.path}: not a sweep folder (no sweep.json); submit it with `esbatch sweep FILE`")
     planned = sd.read(require=SWEEP_RECORD_KEYS)["runs"]
     drain_all(sd.run_dir(r["key"]).path for r in planned)  # MLflow writes kept in run folders
+    spool_pipelines(sd, planned)  # into each pipeline's own store: merged with it below when offline
     if sd.read().get("tracking") == "offline":
         merge_offline(sd)
     sd.ensure_parent_run()  # a sweep whose runs never logged still gets its parent run and report
@@ -194,12 +245,5 @@ def aggregate(sweep_dir: str | Path) -> Path:
             analyses = [*default_eval_analyses(evals), *analyses]
     write_report(runs, analyses, sd.results, title=f"sweep {meta['name']}", evals=evals, sweep_dir=sd.path)
     if meta.get("parent_run_id"):
-        with sqlite_lock(meta["tracking_uri"]):
-            client = MlflowClient(tracking_uri=meta["tracking_uri"])
-            client.log_artifacts(meta["parent_run_id"], str(sd.results), "results")
-            jobs = [s["job_id"] for s in meta.get("submissions", []) if s.get("kind") == "slurm"]
-            if jobs:
-                client.set_tag(meta["parent_run_id"], "slurm.array_job_ids", ",".join(jobs))
-            if all(r.status == "finished" for r in runs):
-                client.set_terminated(meta["parent_run_id"], status="FINISHED")
+        publish(sd, meta, runs)
     return sd.results
