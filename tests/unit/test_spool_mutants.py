@@ -80,6 +80,8 @@ class Store:
         if crash and not self.land:
             raise Crash(f"log_batch {self.batches}")
         self.calls.append(("log_batch", rid, [(m.key, m.step) for m in metrics]))
+        if "tags" in kw:
+            self.calls.append(("tags", rid, [(t.key, t.value) for t in kw["tags"]]))
         for m in metrics:
             self.points.setdefault((rid, m.key), {})[m.step] = (m.value, m.timestamp)
         if crash:
@@ -100,6 +102,14 @@ class Store:
     def log_artifacts(self, rid, path, artifact_path=None):
         self._check()
         self.calls.append(("log_artifacts", rid, path, artifact_path))
+
+    def log_inputs(self, rid, datasets):
+        self._check()
+        self.calls.append(("log_inputs", rid, datasets))
+
+    def set_experiment_tag(self, exp, key, value):
+        self._check()
+        self.calls.append(("set_experiment_tag", exp, key, value))
 
     def steps(self, rid, key):
         return sorted(self.points.get((rid, key), {}))
@@ -341,6 +351,48 @@ def test_statuses_and_artifacts_are_sent_in_order_after_the_metrics_before_them(
         ("set_terminated", "r1", "FINISHED", 6003),
     ]
     assert capsys.readouterr().err == f"warning: {tmp_path / 'missing'} is gone: not sent to MLflow run r1\n"
+
+
+def test_dataset_inputs_run_tags_and_experiment_tags_are_sent_in_their_place(tmp_path):
+    s = Store("A", runs={"r1"})
+    source = '{"uri": "/data/train.jsonl"}'
+    recs = [
+        met("r1", 1, x=1.0),
+        {
+            "run_id": "r1",
+            "uri": "A",
+            "time": 7,
+            "inputs": [
+                {
+                    "dataset": {"name": "gsm8k", "digest": "d1", "source_type": "local", "source": source},
+                    "tags": {"mlflow.data.context": "train", "n": 3},
+                },
+                {"dataset": {"name": "held", "digest": "d2", "source_type": "local", "source": source}},
+            ],
+        },
+        met("r1", 2, x=2.0),
+        {"run_id": "r1", "uri": "A", "time": 8, "tags": {"es.sigma": 0.05, "method": "es"}},
+        {"run_id": "r1", "uri": "A", "time": 9, "experiment_tags": {"view": {"a": 1}, "n": 2}},
+        met("r1", 3, x=3.0),
+    ]
+    assert spooling.send(locked(s), recs) == 3
+    calls = [c for c in s.calls if c[0] != "history"]
+    assert [c[0] for c in calls] == [
+        "get_run", "log_batch", "log_inputs", "log_batch", "log_batch", "tags", "get_run",
+        "set_experiment_tag", "set_experiment_tag", "log_batch",
+    ]  # fmt: skip
+    (_, rid, datasets) = calls[2]
+    assert rid == "r1"
+    assert [
+        (d.dataset.name, d.dataset.digest, d.dataset.source_type, d.dataset.source, [(t.key, t.value) for t in d.tags])
+        for d in datasets
+    ] == [
+        ("gsm8k", "d1", "local", source, [("mlflow.data.context", "train"), ("n", "3")]),
+        ("held", "d2", "local", source, []),
+    ]
+    assert calls[5] == ("tags", "r1", [("es.sigma", "0.05"), ("method", "es")])
+    assert calls[7:9] == [("set_experiment_tag", "0", "view", "{'a': 1}"), ("set_experiment_tag", "0", "n", "2")]
+    assert [c[2] for c in calls if c[0] == "log_batch"] == [[("x", 1)], [("x", 2)], [], [("x", 3)]]
 
 
 def test_a_batch_is_sent_in_chunks_of_a_thousand_points_with_their_values_times_and_steps(tmp_path):

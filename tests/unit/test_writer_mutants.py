@@ -101,6 +101,10 @@ def test_logging_appends_floats_without_none_and_never_calls_the_store(tracker, 
         {"run_id": "r1", "uri": "A", "time": 103, "artifact": str(tmp_path / "ck"), "artifact_path": None},
     ]
     assert type(w.spool.records()[0]["metrics"]["a"]) is float
+    w.log_inputs([])  # nothing to log: no line
+    w.log_inputs([{"dataset": {"name": "d"}}])
+    assert w.spool.records()[-1] == {"run_id": "r1", "uri": "A", "time": 104, "inputs": [{"dataset": {"name": "d"}}]}
+    assert len(w.spool.records()) == 4
     assert tracker.client.calls == [] and w.last_step("reward/mean") == 41
 
 
