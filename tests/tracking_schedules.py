@@ -241,6 +241,7 @@ class Played:
     run_dir: Path
     uri: str
     status: str  # how the last process ended, as run.json should say it
+    params: dict[str, str]  # what the MLflow run's params should be
     outage: Outage
     tap: Tap
 
@@ -252,11 +253,15 @@ def metrics(t: int) -> dict[str, float]:
     return m
 
 
+def no_waiting(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(spooling, "pause", lambda seconds: None)  # the tracker's backoff: recorded by nobody, never slept
+    mp.setattr(os, "fsync", lambda fd: None)  # durability is not what these properties are about: milliseconds
+
+
 def play(s: Schedule, uri: str, root: Path, mp: pytest.MonkeyPatch, client: Any) -> Played:
     """Run ``s``: its processes one after another on one run folder, then `esbatch aggregate` with the store up.
     ``client``: the class whose calls are the store's (MlflowClient, or FakeClient patched in for it)."""
-    mp.setattr(spooling, "pause", lambda seconds: None)  # the tracker's backoff: recorded by nobody, never slept
-    mp.setattr(os, "fsync", lambda fd: None)  # durability is not what these properties are about: milliseconds
+    no_waiting(mp)
     tap = Tap(mp, client, s.triggers)
     outage = Outage(mp, client, down=False)
     tap.outage = outage
@@ -278,7 +283,7 @@ def play(s: Schedule, uri: str, root: Path, mp: pytest.MonkeyPatch, client: Any)
     tap.triggers.clear()
     outage.down = False
     drain_all([run_dir])
-    return Played(run_dir, uri, status, outage, tap)
+    return Played(run_dir, uri, status, {k: str(v)[:6000] for k, v in cfg.params().items()}, outage, tap)
 
 
 def _process(cfg, run_dir, seg, total, resume, ex, tap, outage, mp) -> str:  # noqa: ANN001 - the play's own parts

@@ -1,14 +1,19 @@
-"""Properties of tracking through store outages (issue 44 D5), on a stand-in store (tests/tracking_schedules.py):
-whatever the interleaving of outages with a run's updates, its processes' ends and `esbatch aggregate`, each
-metric (key, step) the run folder records is in MLflow exactly once afterwards, and the run's MLflow status is
-run.json's. Generated schedules, played through the real RunSession, MLflowTracker, TrackingWriter, spool and
-drain; derandomized, so CI runs the same examples every time."""
+"""Properties of tracking through store outages and of how a run ends (issue 44 D5), on a stand-in store
+(tests/tracking_schedules.py; tests/integration/test_tracking_properties_mlflow.py checks it against MLflow's):
+
+- whatever the interleaving of outages with a run's updates, its processes' ends (a crash mid-send among them),
+  the end's bounded wait and `esbatch aggregate`, each metric (key, step) the run folder records is in MLflow
+  exactly once afterwards, and the run's MLflow status and params are run.json's and the config's;
+- whatever ends `esbatch train` (an update raising, a hang past run.hang_timeout_s, SIGTERM, a store that never
+  answers or is down at the start), run.json's status and reason are what its exit code says, over resumes.
+
+Played through the real code (RunSession, MLflowTracker, TrackingWriter, the spool, the drain, cli.main);
+derandomized, so CI runs the same examples every time."""
 
 from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
 import signal
 from dataclasses import dataclass
@@ -32,6 +37,7 @@ from tracking_schedules import (
     fake_uri,
     fresh_dirs,
     metrics,
+    no_waiting,
     play,
     recorded,
     schedules,
@@ -40,7 +46,6 @@ from tracking_schedules import (
 from esbatch import cli
 from esbatch.es import ES
 from esbatch.tasks.verify import ScoringError
-from esbatch.tracking import spool as spooling
 from esbatch.tracking.pending import drain_all
 from esbatch.tracking.spool import spool_path
 from esbatch.train import lifecycle, stop, watchdog
@@ -73,9 +78,9 @@ def test_any_interleaving_of_outages_leaves_each_metric_once_and_the_status_of_r
         want = recorded(played.run_dir)
         rid = meta.get("mlflow_run_id")
         runs = dict(store.runs)
-        run = runs.pop(rid) if rid else {"metrics": [], "status": "FAILED"}
+        run = runs.pop(rid) if rid else {"metrics": [], "status": "FAILED", "params": played.params}
         check_each_metric_once(run["metrics"], want)
-        assert run["status"] == STATUS[played.status]
+        assert run["status"] == STATUS[played.status] and run["params"] == played.params
         assert all(not r["metrics"] for r in runs.values())  # a run whose start failed got nothing
         assert not spool_path(played.run_dir).exists() or spool_path(played.run_dir).stat().st_size == 0
 
@@ -217,7 +222,7 @@ def expected(cause: Cause, left: int) -> tuple[int, str | None]:
     }[cause.what]
 
 
-@settings(SETTINGS, max_examples=20)
+@settings(SETTINGS, max_examples=16)
 @example(updates=1, causes=[Cause("error", 0), Cause("success", 0)])  # finished, with the failure's reason (8c217c7)
 @example(updates=3, causes=[Cause("hang_offline", 1), Cause("sigterm", 0), Cause("hang_step", 0)])
 @example(updates=2, causes=[Cause("store_never_answers", 0), Cause("store_down", 0)])
@@ -229,8 +234,7 @@ def test_run_json_says_what_the_exit_code_says_whatever_ends_the_run(updates, ca
     with fresh_dirs() as tmp, pytest.MonkeyPatch.context() as mp:
         root = Path(tmp)
         mp.setattr(mlflow.tracking, "MlflowClient", FakeClient)
-        mp.setattr(spooling, "pause", lambda seconds: None)
-        mp.setattr(os, "fsync", lambda fd: None)
+        no_waiting(mp)
         uri = fake_uri()
         outage = Outage(mp, FakeClient, down=False)
         proc = Process(mp, root, uri, outage, Executor(mp, outage))
