@@ -34,6 +34,7 @@ VIEW_KEY = "esbatch-compare"  # ?viewStateShareKey=esbatch-compare
 VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
 FIRST_CHARTS = ("reward/mean", "heldout/accuracy")  # what a researcher compares first, ES and GRPO alike
 SECTION = "esbatch-first"
+SECTION_NAME = "reward and held-out accuracy"
 
 
 def compare_view(group_keys: list[str], metrics: list[str], first: tuple[str, ...] = FIRST_CHARTS) -> dict[str, Any]:
@@ -79,7 +80,7 @@ def compare_view(group_keys: list[str], metrics: list[str], first: tuple[str, ..
         "compareRunSections": [
             {
                 "uuid": SECTION,
-                "name": " and ".join(shown) or "compare",
+                "name": SECTION_NAME,
                 "display": True,
                 "isReordered": False,
                 "deleted": False,
