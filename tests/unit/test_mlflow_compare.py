@@ -1,6 +1,6 @@
 """The pieces of the MLflow compare view (issue 43) that are pure logic: the problems' digest, a dataset input as the
 spool keeps it, the sweep's keys as tags, the saved view, a pipeline's joined records, and how the spool sends
-its new record kinds (a stand-in client: tests/integration/test_mlflow_compare.py uses a real store)."""
+its new record kinds (a stand-in client: tests/integration/test_mlflow_compare_store.py uses a real store)."""
 
 import hashlib
 import json
