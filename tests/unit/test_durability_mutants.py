@@ -10,6 +10,7 @@ write's steps is recorded by an injected ``os.fsync`` / ``os.replace`` that name
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import json
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from esbatch import durable
-from esbatch.train import lock
+from esbatch.train import fingerprint, lock
 from esbatch.train.lock import HELD_ENV, LOCK_FILE, FolderBusy, holds, writer_lock
 from esbatch.train.rundir import RunFolderError
 
@@ -298,6 +299,7 @@ def test_the_busy_message_word_for_word():
         ("not json", "another process (it has not written its name yet)", "stop it"),
         ("[12]", "another process (it has not written its name yet)", "stop it"),
         ('{"host": "h"}', "another process (it has not written its name yet)", "stop it"),
+        ('"pid and host"', "another process (it has not written its name yet)", "stop it"),  # JSON, not a mapping
     ],
 )
 def test_the_busy_message_for_a_partial_or_missing_name(raw, holder, stop):
@@ -574,3 +576,24 @@ def test_text_writes_pass_encoding_and_newline(tmp_path):
     assert (tmp_path / "c").read_bytes() == "x".encode("utf-16")
     assert durable.write_text(tmp_path / "d", "") == tmp_path / "d"
     assert durable.write_bytes(str(tmp_path / "e"), b"") == tmp_path / "e"
+
+
+# ---------------------------------------------------------------------------------------------- the fingerprint
+
+
+@dataclasses.dataclass
+class _Section:
+    root: Path = Path("/data/x")
+    n: int = 3
+
+
+@dataclasses.dataclass
+class _Cfg:
+    sec: _Section = dataclasses.field(default_factory=_Section)
+    name: str = "r"
+
+
+def test_a_default_that_json_cannot_write_is_compared_as_its_text():
+    """check() compares a key a later esbatch added with its default as flat_values writes values (str for what
+    JSON cannot write): the defaults must be written the same way."""
+    assert fingerprint._defaults(_Cfg()) == {"sec.root": "/data/x", "sec.n": 3, "name": "r"}
