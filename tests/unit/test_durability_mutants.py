@@ -597,3 +597,10 @@ def test_a_default_that_json_cannot_write_is_compared_as_its_text():
     """check() compares a key a later esbatch added with its default as flat_values writes values (str for what
     JSON cannot write): the defaults must be written the same way."""
     assert fingerprint._defaults(_Cfg()) == {"sec.root": "/data/x", "sec.n": 3, "name": "r"}
+
+
+def test_a_change_is_described_as_json_values_and_quoted_text():
+    assert fingerprint.describe({"a.b": (None, True), "c": ("x", "y"), "d": ([1, 2], 2.5)}) == (
+        "a.b: null -> true; c: 'x' -> 'y'; d: [1, 2] -> 2.5"
+    )
+    assert fingerprint.describe({}) == ""

@@ -610,6 +610,19 @@ def test_a_replay_drains_the_run_and_its_stage_folders_and_says_what_it_sent(tmp
     assert pending.drain_all([run, tmp_path / "none"]) == 0
 
 
+def test_a_folder_whose_own_spool_fails_still_drains_its_stages(tmp_path, monkeypatch, capsys):
+    s = Store("A", runs={"r2"})
+    monkeypatch.setattr(pending, "_store_for", Stores(s))
+    (tmp_path / "stage1").mkdir()
+    spool_with(tmp_path, [met("r1", 1, uri="sqlite:///gone.db", x=1.0)])
+    spool_with(tmp_path / "stage1", [met("r2", 1, x=1.0)])
+    assert pending.drain(tmp_path) == 1
+    assert s.steps("r2", "x") == [1] and Spool(tmp_path / FILE).pending()
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"warning: {tmp_path / FILE}: spooled tracking writes not sent (KeyError: ")
+    assert err[1:] == [f"note: {tmp_path / 'stage1' / FILE}: sent 1 spooled metric points to MLflow"]
+
+
 def test_a_replay_into_another_store_sends_there(tmp_path, monkeypatch):
     s = Store("sqlite:///new.db", runs={"r1"})
     stores = Stores(s)
