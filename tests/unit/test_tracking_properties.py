@@ -67,6 +67,12 @@ SETTINGS = settings(
 @example(  # a resume whose store goes down while it reopens the run: MLflow stayed FINISHED, run.json failed (01cdca0)
     Schedule(1, [Segment(False, [], "finish", [], 0.0) for _ in range(3)], {12: "down_after"})
 )
+@example(  # two outages that begin mid-send: a send that skipped nothing would send steps 1-3 twice
+    Schedule(3, [Segment(False, [], "finish", [(True, 0.5)], 1.0)], {0: "down_after", 11: "down_after"})
+)
+@example(  # an update recorded while the spool is being sent: a send that dropped every line would lose it
+    Schedule(1, [Segment(False, ["pump"], "finish", [], 0.0), Segment(False, [], "finish", [], 0.0)], {1: "update"})
+)
 def test_any_interleaving_of_outages_leaves_each_metric_once_and_the_status_of_run_json(s):
     with fresh_dirs() as tmp, pytest.MonkeyPatch.context() as mp:
         mp.setattr(mlflow.tracking, "MlflowClient", FakeClient)
