@@ -115,7 +115,13 @@ class FakeClient:
 
     def create_run(self, experiment_id: str, start_time: int | None = None, run_name: str = "", tags=None) -> Any:
         rid = f"run{len(self.store.runs)}"
-        self.store.runs[rid] = {"status": "RUNNING", "params": {}, "tags": dict(tags or {}), "metrics": []}
+        self.store.runs[rid] = {
+            "experiment_id": experiment_id,
+            "status": "RUNNING",
+            "params": {},
+            "tags": dict(tags or {}),
+            "metrics": [],
+        }
         return SimpleNamespace(info=SimpleNamespace(run_id=rid))
 
     def _run(self, rid: str) -> dict[str, Any]:
@@ -125,7 +131,8 @@ class FakeClient:
 
     def get_run(self, rid: str) -> Any:
         r = self._run(rid)
-        return SimpleNamespace(info=SimpleNamespace(run_id=rid, status=r["status"], lifecycle_stage="active"))
+        info = {"run_id": rid, "experiment_id": r["experiment_id"], "status": r["status"], "lifecycle_stage": "active"}
+        return SimpleNamespace(info=SimpleNamespace(**info))
 
     def update_run(self, rid: str, status: str | None = None, name: str | None = None) -> None:
         if status is not None:
