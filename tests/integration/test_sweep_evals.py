@@ -82,17 +82,25 @@ def test_a_sweep_trains_then_evaluates_every_final_and_base_model(tmp_path, tiny
     again = run_esbatch("sweep", str(path))
     assert "nothing to submit" in again.stdout, again.stdout
 
-    # an eval killed mid-way (no summary yet, a torn last line): the re-run continues it, earlier lines kept
-    ev = next(k for k, e in by_key.items() if e["source"])
+    # an eval killed mid-way (no summary yet, a torn last line): the re-run continues it, earlier lines kept; and,
+    # in the same re-run, an eval whose source.json is damaged: which center it scored is unknown, so it is redone
+    # and the old one kept aside
+    ev, other = (k for k, e in by_key.items() if e["source"])
     samples = sd / "evals" / ev / "samples" / "Other.jsonl"
     lines = samples.read_bytes().splitlines(keepends=True)
     (sd / "evals" / ev / "metrics.json").unlink()
     samples.write_bytes(b"".join(lines[:2]) + lines[2][:10])
+    (sd / "evals" / other / "source.json").write_text('{"run": ')
     status = run_esbatch("status", str(sd)).stdout
-    assert "3 evals: 2 finished, 1 interrupted" in status, status
+    assert "3 evals: 1 finished, 1 interrupted, 1 stale" in status, status
     p = run_esbatch("sweep", str(path), timeout=1800)
-    assert "submitting 0 run(s)" in p.stdout and "and 1 eval(s), 0 of them after" in p.stdout, p.stdout
+    assert "submitting 0 run(s)" in p.stdout and "and 2 eval(s), 0 of them after" in p.stdout, p.stdout
     assert samples.read_bytes().startswith(b"".join(lines[:2])) and len(samples.read_bytes().splitlines()) == 5
+    assert (sd / "evals" / f"{other}.damaged" / "metrics.json").exists()
+    assert json.loads((sd / "evals" / other / "source.json").read_text()) == {
+        "run": by_key[other]["source"],
+        "updates": 2,
+    }
 
     # a raised budget: both runs train on, their evals are redone on the new centers, the old ones kept aside
     p = run_esbatch("sweep", str(path), "--set", "es.updates=3", timeout=1800)
@@ -103,11 +111,3 @@ def test_a_sweep_trains_then_evaluates_every_final_and_base_model(tmp_path, tiny
         if e["source"]:
             assert json.loads((sd / "evals" / e["key"] / "source.json").read_text())["updates"] == 3
             assert (sd / "evals" / f"{e['key']}.at2" / "metrics.json").exists()
-
-    # a damaged source.json: which center that eval scored is unknown, so it is redone; the old one kept aside
-    (sd / "evals" / ev / "source.json").write_text('{"run": ')
-    assert "1 stale" in run_esbatch("status", str(sd)).stdout
-    p = run_esbatch("sweep", str(path), "--set", "es.updates=3", timeout=1800)
-    assert "submitting 0 run(s)" in p.stdout and "and 1 eval(s)" in p.stdout, p.stdout
-    assert (sd / "evals" / f"{ev}.damaged" / "metrics.json").exists()
-    assert json.loads((sd / "evals" / ev / "source.json").read_text())["updates"] == 3
