@@ -588,3 +588,54 @@ def test_a_record_names_run_store_and_time(tmp_path, server, clock):
     clock.t += 0.5
     assert tr._record(x=1) == {"run_id": "run1", "uri": URI, "time": 1_700_000_000_500, "x": 1}
     assert json.dumps(tr._record())  # plain JSON
+
+
+def test_a_worktree_whose_git_folder_path_holds_the_word_gitdir(tmp_path):
+    """Only the first ``gitdir:`` of a worktree's .git file is its key: the rest is the path."""
+    git = tmp_path / "gitdir: x" / "wt-git"
+    git.mkdir(parents=True)
+    (git / "HEAD").write_text("c" * 40 + "\n")
+    wt = tmp_path / "wt"
+    wt.mkdir()
+    (wt / ".git").write_text(f"gitdir: {git}\n")
+    assert mt.git_commit(wt) == "c" * 40
+
+
+def test_a_hub_dataset_source_names_its_split_and_revision():
+    s = mt.dataset_source(hub_id="openai/gsm8k", hub_config="main", hub_split="test", revision="abc")
+    d = s.to_dict()
+    assert (d["path"], d["config_name"], d["split"], d["revision"]) == ("openai/gsm8k", "main", "test", "abc")
+
+
+def test_a_generated_dataset_source_names_its_generator_as_text():
+    s = mt.dataset_source(generator={"task": "countdown", "params": {"n": 3}, "seed": 7, "none": None})
+    assert s.to_dict() == {
+        "tags": {"esbatch.task": "countdown", "esbatch.params": '{"n": 3}', "esbatch.seed": "7", "esbatch.none": "null"}
+    }
+    assert mt.dataset_source().to_dict() == {"tags": {}}
+
+
+def test_only_mlflows_user_warning_about_local_sources_is_silenced(tmp_path, monkeypatch):
+    import warnings
+
+    import mlflow.data.dataset_source_registry as registry
+
+    real = registry.resolve_dataset_source
+
+    def noisy(path):
+        warnings.warn("picked one of two", UserWarning, stacklevel=1)
+        warnings.warn("something else", FutureWarning, stacklevel=1)
+        return real(path)
+
+    monkeypatch.setattr(registry, "resolve_dataset_source", noisy)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        mt.dataset_source(data_path=str(tmp_path / "x" / ".." / "p.jsonl"))
+    assert [(w.category, str(w.message)) for w in seen] == [(FutureWarning, "something else")]
+
+
+def test_log_artifacts_keeps_its_artifact_path(tmp_path, server, clock):
+    tr = tracker(tmp_path, server, clock)
+    tr.start("r", {}, {})
+    tr.log_artifacts(tmp_path, "sub")
+    assert server.calls[-1] == ("log_artifacts", "run1", str(tmp_path), "sub")
