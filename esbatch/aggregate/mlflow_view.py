@@ -6,8 +6,9 @@
   the pipeline's update axis (``collect.folder_history``) under the same metric names as an ES or GRPO run, and
   its stages' dataset inputs, so every method's run of the sweep has its reward and held-out curves side by side.
 * A saved view of the runs table (MLflow's own "share view" state, an experiment tag
-  ``mlflow.sharedViewState.<key>`` that the UI opens from ``?viewStateShareKey=<key>``): the runs grouped by the
-  sweep's keys, their columns shown, and the charts of reward and held-out accuracy first.
+  ``mlflow.sharedViewState.<key>`` that the UI opens from ``?viewStateShareKey=<key>``): the sweep's runs (not
+  their stages, evals or the parent: a search filter) grouped by the sweep's keys, their columns shown, and the
+  charts of reward and held-out accuracy first.
 
 Everything goes through the spool of the folder it belongs to (the sweep folder's for the parent, the run
 folder's for a pipeline; esbatch/tracking/spool.py), then is sent: a store that is down keeps it there for the
@@ -35,6 +36,10 @@ VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
 FIRST_CHARTS = ("reward/mean", "heldout/accuracy")  # what a researcher compares first, ES and GRPO alike
 SECTION = "esbatch-first"
 SECTION_NAME = "reward and held-out accuracy"
+METHOD = "method"  # a sweep's methods axis (esbatch/launch/sweep.py)
+# the sweep's own runs: not their pipeline stages, evals or the parent run (the search box shows it; clear it to
+# see those too)
+SWEEP_RUNS = "tags.`esbatch.run_key` LIKE '%'"
 
 
 def compare_view(group_keys: list[str], metrics: list[str], first: tuple[str, ...] = FIRST_CHARTS) -> dict[str, Any]:
@@ -88,6 +93,7 @@ def compare_view(group_keys: list[str], metrics: list[str], first: tuple[str, ..
             }
         ],
         "isAccordionReordered": True,
+        "searchFilter": SWEEP_RUNS,
         "runsHiddenMode": "SHOW_ALL",
         "hideEmptyCharts": True,
     }
@@ -99,11 +105,12 @@ def view_path(experiment_id: str) -> str:
 
 
 def group_keys(runs: list[dict[str, Any]]) -> list[str]:
-    """The sweep's keys whose value differs between its runs (grid axes, ``method``), in the sweep's order."""
-    keys: list[str] = []
-    for r in runs:
-        keys += [k for k in r.get("point", {}) if k not in keys]
-    return [k for k in keys if len({repr(r.get("point", {}).get(k)) for r in runs}) > 1]
+    """The sweep's keys whose value differs between its runs (grid axes, ``method``), in the sweep's order; the
+    settings a method sets (its ``algorithm``, ``pipeline.stages``) are named by the method, as in run labels."""
+    points = [r.get("point", {}) for r in runs]
+    by_method = {k for p in points if METHOD in p for k in p if k != METHOD}
+    keys = dict.fromkeys(k for p in points for k in p)
+    return [k for k in keys if k not in by_method and len({repr(p.get(k)) for p in points}) > 1]
 
 
 def spool_parent(

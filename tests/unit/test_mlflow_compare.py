@@ -55,6 +55,12 @@ def test_the_compare_view_groups_by_the_keys_that_vary_and_charts_reward_and_hel
     assert {c["metricSectionId"] for c in view["compareRunCharts"]} == {s["uuid"] for s in view["compareRunSections"]}
     assert view["isAccordionReordered"] is True  # the UI keeps this section first
     assert "tags.`es.population_size`" in view["selectedColumns"] and "metrics.`reward/mean`" in view["selectedColumns"]
+    methods = [
+        {"point": {"method": "ES", "algorithm": "es"}},
+        {"point": {"method": "ES->GRPO", "algorithm": "pipeline", "pipeline.stages": ["es", "grpo"]}},
+    ]
+    assert group_keys(methods) == ["method"]  # what a method sets is named by the method
+    assert view["searchFilter"] == "tags.`esbatch.run_key` LIKE '%'"  # the sweep's runs, not stages or evals
     assert compare_view([], ["reward/mean"])["groupBy"] is None
     assert [c["metricKey"] for c in compare_view([], ["reward/mean"])["compareRunCharts"]] == ["reward/mean"]
     assert view_path("7") == "#/experiments/7?viewStateShareKey=esbatch-compare"
