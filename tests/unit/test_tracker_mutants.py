@@ -639,3 +639,34 @@ def test_log_artifacts_keeps_its_artifact_path(tmp_path, server, clock):
     tr.start("r", {}, {})
     tr.log_artifacts(tmp_path, "sub")
     assert server.calls[-1] == ("log_artifacts", "run1", str(tmp_path), "sub")
+
+
+def test_a_head_ref_without_a_space_and_an_empty_ref_file(tmp_path):
+    git = tmp_path / "r" / ".git"
+    (git / "refs" / "heads").mkdir(parents=True)
+    (git / "HEAD").write_text("ref:refs/heads/main\n")  # git reads "ref:" with or without the space
+    (git / "refs" / "heads" / "main").write_text("d" * 40 + "\n")
+    assert mt.git_commit(tmp_path / "r") == "d" * 40
+    (git / "refs" / "heads" / "main").write_text("\n")  # a ref being written
+    assert mt.git_commit(tmp_path / "r") == "unknown"
+
+
+def test_last_step_sends_the_spool_even_within_the_minute_between_tries(tmp_path, server, clock, capsys):
+    tr = tracker(tmp_path, server, clock)
+    tr.start("r", {}, {})
+    server.down = -1
+    tr.log_metrics({"a": 1.0}, step=3)  # refused: spooled, the store not tried again for a minute
+    server.down = 0
+    assert tr.last_step("a") == 3
+    assert not Spool(tmp_path / FILE).pending() and server.runs["run1"]["metrics"]["a"] == {3: (1.0, 1_700_000_000_000)}
+
+
+def test_last_step_says_why_the_store_could_not_be_read(tmp_path, server, clock, capsys):
+    tr = tracker(tmp_path, server, clock)
+    tr.start("r", {}, {})
+    server.down = -1
+    assert tr.last_step("a") == -1
+    assert capsys.readouterr().err == (
+        f"warning: the MLflow store {URI} is unavailable (MlflowException: database is locked); training goes on, "
+        f"tracking writes are kept in {tmp_path / FILE} and sent when it answers again\n"
+    )
