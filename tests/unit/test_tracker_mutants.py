@@ -495,6 +495,7 @@ def test_last_step_is_the_largest_in_the_store_or_the_spool(tmp_path, server, cl
     assert tr.last_step("a") == -1  # the store cannot be read: later writes go through the spool
     tr.log_metrics({"a": 1.0, "b": 2.0}, step=9)
     Spool(tmp_path / FILE).append({"run_id": "other", "uri": URI, "time": 1, "step": 99, "metrics": {"a": 1.0}})
+    Spool(tmp_path / FILE).append({"run_id": "run1", "uri": URI, "time": 1, "status": "RUNNING"})  # no metrics
     assert tr.last_step("a") == 9 and tr.last_step("b") == 9 and tr.last_step("c") == -1
 
 
