@@ -556,6 +556,7 @@ def test_a_library_error_that_gives_only_an_os_error_in_its_message_becomes_that
     assert isinstance(e.value.__cause__, RuntimeError) and list(tmp_path.iterdir()) == []
     assert durable.as_os_error(RuntimeError("no errno here"), target) is None
     assert durable.as_os_error(OSError(5, "x"), target) is None
+    assert durable.as_os_error(OSError(5, "I/O error (os error 28)"), target) is None  # already an OSError
     assert durable.as_os_error(RuntimeError("(os error 5)"), "p").args == (5, os.strerror(5))
 
 
