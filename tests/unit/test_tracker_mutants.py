@@ -671,3 +671,29 @@ def test_last_step_says_why_the_store_could_not_be_read(tmp_path, server, clock,
         f"warning: the MLflow store {URI} is unavailable (MlflowException: database is locked); training goes on, "
         f"tracking writes are kept in {tmp_path / FILE} and sent when it answers again\n"
     )
+
+
+def test_the_spool_is_not_tried_within_the_minute_and_says_so(tmp_path, server, clock):
+    tr = tracker(tmp_path, server, clock)
+    tr.start("r", {}, {})
+    server.down = -1
+    tr.log_metrics({"a": 1.0}, step=1)
+    server.down = 0
+    n = len(server.calls)
+    assert tr._drain() is False and server.calls[n:] == []  # not yet: nothing tried, not empty
+    clock.t += RETRY_EVERY_S
+    assert tr._drain() is True and not Spool(tmp_path / FILE).pending()
+
+
+def test_a_spool_left_by_another_process_that_cannot_be_sent_at_the_end_says_why(tmp_path, server, clock, capsys):
+    tr = tracker(tmp_path, server, clock)
+    tr.start("r", {}, {})
+    Spool(tmp_path / FILE).append({"run_id": "run1", "uri": URI, "time": 1, "step": 1, "metrics": {"a": 1.0}})
+    server.down = -1
+    tr.end("FAILED")
+    assert capsys.readouterr().err == (
+        f"warning: the MLflow store {URI} is unavailable (MlflowException: database is locked); training goes on, "
+        f"tracking writes are kept in {tmp_path / FILE} and sent when it answers again\n"
+        f"warning: the run's MLflow writes (its end, FAILED) stay in {tmp_path / FILE}: `esbatch aggregate` or a "
+        "resume sends them\n"
+    )
