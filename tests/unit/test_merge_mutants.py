@@ -34,6 +34,7 @@ class Src:
         return self.run
 
     def get_metric_history(self, rid, name):
+        self.calls.append(("history", rid, name))
         return [SimpleNamespace(step=s, timestamp=t, value=v) for s, t, v in self.history[name]]
 
     def download_artifacts(self, rid, path, dst):
@@ -107,6 +108,17 @@ def test_a_new_child_gets_the_runs_name_start_kept_tags_params_metrics_artifacts
     dst_id, added = merge.merge_run("src", "run-a", "dst", "exp1", "parent", "sw", "key1")
     dst = made["dst"]
     assert (dst_id, added) == ("new", 2) and locks == ["dst"]
+    assert made["src"].calls == [
+        ("get_run", "run-a"),
+        ("history", "run-a", "loss"),
+        ("download_artifacts", "run-a", ""),
+    ]
+    assert dst.calls[0] == (
+        "search_runs",
+        ["exp1"],
+        "tags.`esbatch.sweep` = 'sw' and tags.`esbatch.run_key` = 'key1'",
+        5,
+    )
     (create,) = kinds(dst, "create_run")
     assert create == (
         "create_run",
@@ -117,7 +129,7 @@ def test_a_new_child_gets_the_runs_name_start_kept_tags_params_metrics_artifacts
             "start_time": 111,
         },
     )
-    assert [len(c[2]) for c in kinds(dst, "params")] == [100, 100, 50]
+    assert [(c[1], len(c[2])) for c in kinds(dst, "params")] == [("new", 100), ("new", 100), ("new", 50)]
     assert [p for c in kinds(dst, "params") for p in c[2]] == [(f"p{i:03d}", str(i)) for i in range(250)]
     assert kinds(dst, "history") == []  # a new child has no points to read
     assert kinds(dst, "metrics") == [("metrics", "new", [("loss", 0.5, 10, 1), ("loss", 0.25, 20, 2)])]

@@ -623,6 +623,16 @@ def test_a_folder_whose_own_spool_fails_still_drains_its_stages(tmp_path, monkey
     assert err[1:] == [f"note: {tmp_path / 'stage1' / FILE}: sent 1 spooled metric points to MLflow"]
 
 
+def test_a_run_folder_without_a_spool_of_its_own_still_drains_its_stages(tmp_path, monkeypatch):
+    s = Store("A", runs={"r2"})
+    monkeypatch.setattr(pending, "_store_for", Stores(s))
+    for stage in ("stage1", "stage2"):
+        (tmp_path / stage).mkdir()
+    (tmp_path / "stage1" / FILE).write_text("")
+    spool_with(tmp_path / "stage2", [met("r2", 1, x=1.0)])
+    assert pending.drain(tmp_path) == 1 and s.steps("r2", "x") == [1]
+
+
 def test_a_replay_into_another_store_sends_there(tmp_path, monkeypatch):
     s = Store("sqlite:///new.db", runs={"r1"})
     stores = Stores(s)
