@@ -697,3 +697,15 @@ def test_a_spool_left_by_another_process_that_cannot_be_sent_at_the_end_says_why
         f"warning: the run's MLflow writes (its end, FAILED) stay in {tmp_path / FILE}: `esbatch aggregate` or a "
         "resume sends them\n"
     )
+
+
+def test_the_end_by_default_is_finished_and_sent_directly(tmp_path, server, clock):
+    tr = tracker(tmp_path, server, clock)
+    tr.start("r", {}, {})
+    tr.end()
+    assert server.calls[-1] == ("set_terminated", "run1", ("end_time", 1_700_000_000_000), ("status", "FINISHED"))
+    assert not (tmp_path / FILE).exists()  # the spool was never needed
+    bare = tracker(tmp_path / "b", server, clock, spool=False)
+    bare.start("r", {}, {})
+    bare.end("FAILED")
+    assert server.calls[-1] == ("set_terminated", "run2", ("end_time", 1_700_000_000_000), ("status", "FAILED"))

@@ -323,3 +323,22 @@ def test_the_thread_is_a_daemon_named_for_tracking(tracker):
         assert w._thread in threading.enumerate()
     finally:
         w.end(wait_s=600)
+
+
+def test_the_thread_sends_a_write_without_waiting_for_the_end_and_is_busy_while_it_does(tracker):
+    """Woken by the write alone (not urgent): the test waits on the writer's own condition, bounded, for the spool
+    to be empty; the store records that the writer said it was busy during the send."""
+    busy = []
+    real = tracker.client.log_batch
+
+    def log_batch(rid, **kw):
+        busy.append(w._busy)
+        return real(rid, **kw)
+
+    tracker.client.log_batch = log_batch
+    w = TrackingWriter(tracker)
+    w.log_metrics({"x": 1.0}, step=1)
+    with w._cond:
+        assert w._cond.wait_for(lambda: not w._busy and not w.spool.pending(), timeout=30)
+    assert tracker.client.steps("r1", "x") == [1] and busy == [True] and not w._urgent
+    assert w.end(wait_s=600) is True
