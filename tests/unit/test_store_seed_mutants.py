@@ -82,6 +82,8 @@ def test_the_template_is_built_once_into_the_cache(tmp_path, monkeypatch):
     assert rows(tmpl, "SELECT version_num FROM alembic_version") == [(HEAD,)]
     assert sorted(p.name for p in cache.iterdir()) == [tmpl.name]  # its build folder is gone
     assert mt._empty_store_template() == tmpl and len(built) == 1
+    tmpl.unlink()  # the cache folder exists: the template is built into it again
+    assert mt._empty_store_template() == tmpl and len(built) == 2
 
 
 def test_the_default_cache_is_under_home(tmp_path, monkeypatch):

@@ -217,6 +217,7 @@ def test_a_store_that_never_answers_is_a_store_error_after_every_try(tmp_path, s
         tracker(tmp_path, server, clock, sleeps)
     assert sleeps == list(BACKOFF_S) and server.names().count("get_experiment_by_name") == 6
     assert e.value.uri == URI and isinstance(e.value.__cause__, MlflowException)
+    assert f"the MLflow store {URI} did not answer after 6 tries (MlflowException: database is locked)" in str(e.value)
 
 
 def test_a_bug_opening_the_store_raises_as_itself(tmp_path, server, clock):
@@ -709,3 +710,12 @@ def test_the_end_by_default_is_finished_and_sent_directly(tmp_path, server, cloc
     bare.start("r", {}, {})
     bare.end("FAILED")
     assert server.calls[-1] == ("set_terminated", "run2", ("end_time", 1_700_000_000_000), ("status", "FAILED"))
+
+
+def test_a_spool_left_over_is_sent_at_the_first_write_even_at_a_clock_reading_under_one(tmp_path, server, clock):
+    clock.t = 0.5  # a monotonic clock read just after boot
+    tr = tracker(tmp_path, server, clock)
+    tr.start("r", {}, {})
+    Spool(tmp_path / FILE).append({"run_id": "run1", "uri": URI, "time": 1, "step": 1, "metrics": {"a": 1.0}})
+    tr.log_metrics({"a": 2.0}, step=2)
+    assert sorted(server.runs["run1"]["metrics"]["a"]) == [1, 2] and not Spool(tmp_path / FILE).pending()

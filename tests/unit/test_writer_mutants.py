@@ -342,3 +342,19 @@ def test_the_thread_sends_a_write_without_waiting_for_the_end_and_is_busy_while_
         assert w._cond.wait_for(lambda: not w._busy and not w.spool.pending(), timeout=30)
     assert tracker.client.steps("r1", "x") == [1] and busy == [True] and not w._urgent
     assert w.end(wait_s=600) is True
+
+
+def test_a_store_found_damaged_before_the_end_gets_one_more_try_at_the_end(tracker):
+    """The end waits for a try of its own before giving up on a damaged store. The test holds the writer's
+    condition while it calls end(), so the thread can try only while end() waits: an end that gave up on the
+    earlier try's error would return with no new try."""
+    w = TrackingWriter(tracker, start=False, delays=(3600.0,))
+    Down(tracker.client, sqlite3.DatabaseError("file is not a database"), 10**6)
+    w.log_metrics({"x": 1.0}, step=1)
+    assert not w.pump() and w.tries == 1
+    w._thread = threading.Thread(target=w._loop, daemon=True)
+    w._thread.start()
+    with w._cond:
+        assert w.end(wait_s=600) is False
+        assert w.tries == 2
+    w._thread.join(600)
