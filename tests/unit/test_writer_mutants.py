@@ -358,3 +358,34 @@ def test_a_store_found_damaged_before_the_end_gets_one_more_try_at_the_end(track
         assert w.end(wait_s=600) is False
         assert w.tries == 2
     w._thread.join(600)
+
+
+class StepClock:
+    """The writer's monotonic clock: each reading half a second after the last (at most 1000 readings)."""
+
+    def __init__(self) -> None:
+        self.t, self.n = 100.0, 0
+
+    def monotonic(self) -> float:
+        self.n += 1
+        assert self.n < 1000, "the end never stopped waiting"
+        self.t += 0.5
+        return self.t
+
+
+def test_the_end_waits_in_steps_of_at_most_a_second_until_its_deadline(tracker, monkeypatch, capsys):
+    """A store down for good (not damaged): the end waits ``wait_s`` by the writer's clock, in waits of at most
+    1 s (another sender may empty the spool meanwhile), then gives up and says so. The clock is a stand-in and the
+    waits return at once: nothing here takes time."""
+    w = TrackingWriter(tracker, start=False, delays=(3600.0,))
+    Down(tracker.client, LOCKED, 10**6)
+    monkeypatch.setattr(writing, "time", StepClock())
+    waits = []
+    real_wait = w._cond.wait
+    w._cond.wait = lambda timeout=None: waits.append(timeout) or real_wait(0)
+    w._thread = threading.Thread(target=lambda: None)  # "alive" for the end's loop: started, never joined
+    w._thread.is_alive = lambda: True
+    w.log_metrics({"x": 1.0}, step=1)
+    assert w.end("FAILED", wait_s=3) is False
+    assert waits == [1.0, 1.0, 1.0, 1.0, 0.5]  # deadline 103.5: left 2.5, 2.0, 1.5, 1.0, 0.5, then 0
+    assert w._closed and "were not sent to A within 3 s" in capsys.readouterr().err
