@@ -471,6 +471,15 @@ def test_an_empty_or_missing_spool_sends_nothing_and_asks_no_store(tmp_path):
     assert Spool(tmp_path / FILE).send(lambda u: pytest.fail("asked a store")) == 0
 
 
+def test_records_read_the_file_handle_they_are_given(tmp_path):
+    import io
+
+    sp = spool_with(tmp_path, [{"run_id": "on-disk"}])
+    given = io.StringIO('{"run_id": "given"}\n{torn\n')
+    assert sp.records(given) == [{"run_id": "given"}] and sp._snapshot(given) == ([{"run_id": "given"}], 2)
+    assert sp.records() == [{"run_id": "on-disk"}]
+
+
 def test_pending_is_false_without_a_spool_a_folder_or_a_line(tmp_path):
     assert not Spool(tmp_path / FILE).pending()
     (tmp_path / "file").write_text("")
@@ -746,6 +755,9 @@ def test_damaged_finds_sqlites_words_anywhere_in_the_chain():
             raise RuntimeError("during") from None
     except RuntimeError as r:
         assert r.__context__ is inner and spooling.damaged(r) == "database disk image is malformed"
+    silent = sqlite3.DatabaseError("")
+    silent.sqlite_errorname = "SQLITE_NOTADB"
+    assert spooling.damaged(silent) == ""  # damaged, in no words
     second_line = RuntimeError("first line\nfile is not a database")
     assert spooling.damaged(second_line) is None  # only the first line of a message is read
     a, b = RuntimeError("a"), RuntimeError("b")

@@ -79,8 +79,9 @@ def _env(monkeypatch):
 
 def test_a_writer_needs_a_started_tracker_with_a_spool(tracker):
     tracker.spool = None
-    with pytest.raises(ValueError, match="a TrackingWriter needs a started tracker with a spool"):
+    with pytest.raises(ValueError) as e:
         TrackingWriter(tracker, start=False)
+    assert str(e.value) == "a TrackingWriter needs a started tracker with a spool"
     tracker.spool, tracker.run_id = Spool("x"), None
     with pytest.raises(ValueError):
         TrackingWriter(tracker, start=False)
