@@ -24,7 +24,7 @@ import pytest
 from esbatch import durable
 from esbatch.train import fingerprint, lock
 from esbatch.train.lock import HELD_ENV, LOCK_FILE, FolderBusy, holds, writer_lock
-from esbatch.train.rundir import RunFolderError
+from esbatch.train.rundir import RunDir, RunFolderError
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -605,3 +605,62 @@ def test_a_change_is_described_as_json_values_and_quoted_text():
         "a.b: null -> true; c: 'x' -> 'y'; d: [1, 2] -> 2.5"
     )
     assert fingerprint.describe({}) == ""
+
+
+@dataclasses.dataclass
+class _Flat:
+    """A config whose resolved dict holds a key its schema does not describe (``extra``) and a value JSON cannot
+    write (a Path)."""
+
+    name: str = "r"
+    extra: object = dataclasses.field(default=None, metadata={"internal": True})
+    root: object = dataclasses.field(default=None, metadata={"internal": True})
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "extra": self.extra, "where": {"root": self.root}}
+
+
+def test_flat_values_write_what_json_cannot_as_text():
+    assert fingerprint.flat_values(_Flat(root=Path("/data/x"))) == {"name": "r", "extra": None, "where.root": "/data/x"}
+
+
+def _fingerprinted(tmp_path, values: dict) -> RunDir:
+    rd = RunDir(tmp_path / "run")
+    rd.path.mkdir(parents=True)
+    fingerprint.path(rd).write_text(json.dumps({"sha256": "x", "values": values}))
+    return rd
+
+
+def test_a_key_that_appears_at_null_with_no_default_is_a_change(tmp_path):
+    rd = _fingerprinted(tmp_path, {"name": "r", "where.root": None})
+    with pytest.raises(RunFolderError, match=r"\(extra: \(unset\) -> null\)"):
+        fingerprint.check(rd, _Flat())
+
+
+def test_a_key_that_vanishes_from_null_is_a_change(tmp_path):
+    rd = _fingerprinted(tmp_path, {"name": "r", "extra": None, "where.root": None, "gone": None})
+    with pytest.raises(RunFolderError, match=r"\(gone: null -> \(unset\)\)"):
+        fingerprint.check(rd, _Flat())
+
+
+def test_a_refused_resume_names_the_keys_it_may_change_and_what_to_do(tmp_path):
+    rd = _fingerprinted(tmp_path, {"name": "q", "extra": None, "where.root": None})
+    keys = fingerprint.resume_overridable()
+    with pytest.raises(RunFolderError) as e:
+        fingerprint.check(rd, _Flat())
+    assert str(e.value) == (
+        f"{rd.path}: the config differs from the one its updates were made with (name: 'q' -> 'r'); a resume may "
+        f"change only budgets and bookkeeping: {', '.join(sorted(keys))}. Undo the change (in {rd.config} or "
+        "--set), or start a new run with it. Nothing was changed."
+    )
+
+
+def test_a_fingerprint_whose_values_are_not_a_mapping_says_so(tmp_path):
+    rd = _fingerprinted(tmp_path, [1])  # type: ignore[arg-type]
+    with pytest.raises(RunFolderError) as e:
+        fingerprint.check(rd, _Flat())
+    assert str(e.value) == (
+        f"{fingerprint.path(rd)}: not a valid config fingerprint ('values' is not a mapping). Restore it from a "
+        "backup, or delete it to resume without the check (it is written again from the config the run continues "
+        "with)."
+    )
