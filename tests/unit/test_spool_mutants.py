@@ -865,3 +865,30 @@ def test_the_spool_constants():
     assert spooling.TERMINAL == {"FINISHED", "FAILED", "KILLED"}
     assert spooling.PERMANENT == {"INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST", "INVALID_STATE"}
     assert Path(spooling.spool_path("/x")).name == FILE
+
+
+def test_a_one_character_torn_spool_gets_its_newline_before_the_next_line(tmp_path):
+    (tmp_path / FILE).write_text("{")
+    sp = Spool(tmp_path / FILE)
+    sp.append({"run_id": "r"})
+    assert sp.path.read_text() == '{\n{"run_id": "r"}\n' and sp.records() == [{"run_id": "r"}]
+
+
+def test_exactly_the_lines_read_are_dropped_after_a_send(tmp_path):
+    """Lines read (an empty one and a torn one among them) are dropped after the send, and every line appended
+    during it is kept whole."""
+    s = Store("A", runs={"r1"})
+    sp = Spool(tmp_path / FILE)
+    sp.path.write_text("\n" + json.dumps(met("r1", 1, x=1.0)) + "\n{torn\n")
+    late = [met("r1", 2, x=2.0), met("r1", 3, x=3.0)]
+    real = s.log_batch
+
+    def log_batch(rid, **kw):
+        for r in late:
+            sp.append(r)
+        real(rid, **kw)
+
+    s.log_batch = log_batch
+    assert sp.send(Stores(s)) == 1
+    assert sp.records() == late
+    assert sp.path.read_text() == "".join(json.dumps(r, sort_keys=True) + "\n" for r in late)
