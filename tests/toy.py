@@ -164,11 +164,13 @@ class GatedDigitTask(DigitTask):
     to the ``after_examples + 1``-th distinct problem the process scores, so it is inside the update (or eval
     chunk) that brings that problem (``examples_before``). Scores as DigitTask, so a gated run ends on the center
     of an ungated one. ``argv``: only in a process whose command line has an argument containing it (a pipeline's
-    stage, e.g. "stage2-grpo")."""
+    stage, e.g. "stage2-grpo"). ``idle_tracking``: first wait until the process's tracking writer is idle
+    (tracking_idle)."""
 
-    def __init__(self, data_path=None, *, size=40, gate="", after_examples=0, rank="0", argv=""):
+    def __init__(self, data_path=None, *, size=40, gate="", after_examples=0, rank="0", argv="", idle_tracking=False):
         super().__init__(data_path, size=size)
         self.gate, self.after, self.rank = gate, int(after_examples), str(rank)
+        self.idle_tracking = bool(idle_tracking)
         self.here = not argv or any(argv in a for a in sys.argv)
         self.seen: set[str] = set()
         self._lock = threading.Lock()
@@ -181,6 +183,8 @@ class GatedDigitTask(DigitTask):
         if due and self.here and os.environ.get("RANK", "0") == self.rank:
             from gate import wait_at
 
+            if self.idle_tracking:
+                tracking_idle()
             tag = f"{os.getpid()}"
             if "SLURM_JOB_ID" in os.environ:  # "pid job" where job is what scancel/scontrol take
                 array = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
@@ -188,6 +192,20 @@ class GatedDigitTask(DigitTask):
             if wait_at(self.gate, tag) == "stop" and not stop.STOP.wait(600):
                 raise RuntimeError("released by the gate to stop, but no stop signal arrived in 600 s")
         return super().score(response, ex)
+
+
+def tracking_idle(limit_s: float = 300) -> None:
+    """Until this process's tracking writers (esbatch/tracking/writer.py) have sent everything logged so far (a
+    safety limit only): a run waiting at a gate then writes nothing more while it waits (its main thread is held,
+    its writer has nothing to send), so a test comparing the run's files and store sees only other processes'
+    writes. Waits on the writer's own condition, no polling."""
+    import gc
+
+    from esbatch.tracking.writer import TrackingWriter
+
+    for w in [o for o in gc.get_objects() if isinstance(o, TrackingWriter)]:
+        with w._cond:
+            w._cond.wait_for(w._done, timeout=limit_s)
 
 
 def examples_before(cfg: dict, update: int, rank: int = 0) -> int:

@@ -27,7 +27,10 @@ pytestmark = pytest.mark.stress
 def gated_toy(model_dir: Path, gate: str, out: Path, **kw) -> dict:
     """A toy config whose scorer waits at ``gate`` at the first problem it scores in a process."""
     cfg = toy_config(model_dir, es_updates=1, eval={"every": 0}, **kw)
-    cfg["task"] = {**cfg["task"], "name": "toy:GatedDigitTask", "params": {"size": 16, "gate": gate}}
+    # idle_tracking: the run's writer thread has sent what the run logged at its start (its dataset inputs) before
+    # the run waits at the gate, so the files and store compared meanwhile change only if the refused command writes
+    params = {"size": 16, "gate": gate, "idle_tracking": True}
+    cfg["task"] = {**cfg["task"], "name": "toy:GatedDigitTask", "params": params}
     cfg["tracking"] = {"uri": f"sqlite:///{out / 'mlflow.db'}"}
     return cfg
 
