@@ -325,19 +325,22 @@ def test_vllm_engines_beyond_a_tasks_gpus_are_refused_before_submitting(
     """Each vLLM engine needs a GPU: a GPU profile with fewer per task is named at planning, not on the node; the
     boundary (as many engines as GPUs) passes. CPU profiles (gpus_per_node: 0) run engines on cores: no limit."""
     base = toy_config(tiny_model_dir, es_updates=1, backend={"name": "vllm", "engines": engines})
-    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
-    sweep = {"name": "s", "base": "base.yaml", "output_dir": str(tmp_path / "out"), "launcher": "h100"}
-    sweep["launcher_overrides"] = {"gpus_per_node": gpus}
-    (tmp_path / "s.yaml").write_text(yaml.safe_dump(sweep))
+    want = f"backend.engines: {engines} vLLM engines need a GPU each.*gpus_per_node: {gpus}"
+    plan_one_run(tmp_path, base, "h100", {"gpus_per_node": gpus}, want if refused else None)
+    plan_one_run(tmp_path, base, "local", {}, None)
+
+
+def plan_one_run(tmp: Path, base: dict, launcher: str, overrides: dict, refused: str | None) -> None:
+    """Plan a one-run sweep of ``base`` on ``launcher``: refused with an error matching ``refused``, or planned."""
+    (tmp / "base.yaml").write_text(yaml.safe_dump(base))
+    sweep = {"name": "s", "base": "base.yaml", "output_dir": str(tmp / "out"), "launcher": launcher}
+    sweep["launcher_overrides"] = overrides
+    (tmp / "s.yaml").write_text(yaml.safe_dump(sweep))
     if refused:
-        want = f"backend.engines: {engines} vLLM engines need a GPU each.*gpus_per_node: {gpus}"
-        with pytest.raises(ConfigError, match=want):
-            load_sweep(str(tmp_path / "s.yaml"))
+        with pytest.raises(ConfigError, match=refused):
+            load_sweep(str(tmp / "s.yaml"))
     else:
-        assert len(load_sweep(str(tmp_path / "s.yaml")).runs) == 1
-    sweep.update(launcher="local", launcher_overrides={})
-    (tmp_path / "s.yaml").write_text(yaml.safe_dump(sweep))
-    assert len(load_sweep(str(tmp_path / "s.yaml")).runs) == 1
+        assert len(load_sweep(str(tmp / "s.yaml")).runs) == 1
 
 
 @pytest.mark.parametrize(
@@ -360,12 +363,5 @@ def test_a_grpo_weight_transfer_the_profile_cannot_run_is_refused_before_submitt
     backend = {"name": "vllm", "policy_engine": engine, "weight_transfer": transfer}
     grpo = {"updates": 1} if algorithm == "grpo" else None
     base = toy_config(tiny_model_dir, es_updates=1, algorithm=algorithm, backend=backend, grpo=grpo)
-    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
-    sweep = {"name": "s", "base": "base.yaml", "output_dir": str(tmp_path / "out"), "launcher": launcher}
-    (tmp_path / "s.yaml").write_text(yaml.safe_dump(sweep))
-    if refused:
-        want = r"backend\.weight_transfer: ipc needs CUDA.*Valid on CPU: auto, rpc \(launcher profile local: gpus_per"
-        with pytest.raises(ConfigError, match=want):
-            load_sweep(str(tmp_path / "s.yaml"))
-    else:
-        assert len(load_sweep(str(tmp_path / "s.yaml")).runs) == 1
+    want = r"backend\.weight_transfer: ipc needs CUDA.*Valid on CPU: auto, rpc \(launcher profile local: gpus_per"
+    plan_one_run(tmp_path, base, launcher, {}, want if refused else None)
