@@ -266,7 +266,7 @@ class ESTrainer(Trainer):
         elif mode == "final" and final:
             self.rd.write_export(self.export, t)
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float | str]:
         return evaluate_heldout(self.cfg, self.backend, self.probs)
 
     def generator(self) -> ESBackend:

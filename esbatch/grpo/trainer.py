@@ -587,7 +587,7 @@ class GRPOTrainer(Trainer):
         self._sync_policy()
         return self.gen
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float | str]:
         self.engine.module.eval()
         self._sync_policy()
         return evaluate_heldout(self.cfg, self.gen, self.probs)

@@ -76,8 +76,9 @@ class Trainer(ABC):
         """Checkpoint the weights after ``t`` updates (called on every rank); ``final``: the run's last."""
 
     @abstractmethod
-    def evaluate(self) -> dict[str, float]:
-        """Held-out scores of the current weights (rank 0 only)."""
+    def evaluate(self) -> dict[str, Any]:
+        """Held-out scores of the current weights (rank 0 only): numbers, and the per-problem verdicts as a string
+        (``problems.HELDOUT_CORRECT``)."""
 
     def generator(self) -> Any:
         """A Generator over the current weights, ready to generate (``eval.tasks``, rank 0 only); None: the
@@ -324,9 +325,10 @@ class RunSession:
             )
         self.log({**rec["metrics"], "memory/peak_rss_mb": peak_rss_mb()}, t + 1)
 
-    def record_eval(self, t: int, scores: dict[str, float]) -> None:
+    def record_eval(self, t: int, scores: dict[str, Any]) -> None:
+        """eval.jsonl gets every score (the per-problem verdicts too); tracking gets the numbers."""
         self.rd.append_eval({"t": t, **scores})
-        self.log(scores, t)
+        self.log({k: v for k, v in scores.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}, t)
         if "heldout/accuracy" in scores:
             self.rd.write_meta(last_heldout=scores["heldout/accuracy"])
 

@@ -73,8 +73,14 @@ def reward_of(verdict: Verdict, cfg: TrainConfig) -> float:
         return r.format
 
 
-def evaluate_heldout(cfg: TrainConfig, generator: Generator, probs: Problems) -> dict[str, float]:
-    """Greedy accuracy and mean reward of the current weights on the held-out problems."""
+HELDOUT_CORRECT = "heldout/correct"
+"""Key of an eval.jsonl record's per-problem verdicts: one character per held-out problem, in order, "1" correct,
+"0" not. Not a metric (tracking skips it); it pairs two evaluations problem by problem (esbatch/aggregate/paired.py)."""
+
+
+def evaluate_heldout(cfg: TrainConfig, generator: Generator, probs: Problems) -> dict[str, float | str]:
+    """Greedy accuracy, mean reward and format rate of the current weights on the held-out problems, and the
+    per-problem verdicts under ``HELDOUT_CORRECT``."""
     if not probs.heldout:
         return {}
     sampling = SamplingParams(0.0, 1.0, cfg.eval.max_new_tokens or cfg.generation.max_new_tokens)
@@ -85,4 +91,5 @@ def evaluate_heldout(cfg: TrainConfig, generator: Generator, probs: Problems) ->
         "heldout/accuracy": sum(v is Verdict.CORRECT for v in verdicts) / n,
         "heldout/reward": sum(reward_of(v, cfg) for v in verdicts) / n,
         "heldout/format_rate": sum(v is not Verdict.MISSING for v in verdicts) / n,
+        HELDOUT_CORRECT: "".join("1" if v is Verdict.CORRECT else "0" for v in verdicts),
     }

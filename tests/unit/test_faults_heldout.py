@@ -7,7 +7,7 @@ from toy import DigitTask
 from esbatch.backends.base import Generation, Generator
 from esbatch.config import config_from_dict
 from esbatch.tasks.base import Example
-from esbatch.train.problems import Problems, evaluate_heldout
+from esbatch.train.problems import HELDOUT_CORRECT, Problems, evaluate_heldout
 
 
 class CannedGenerator(Generator):
@@ -70,6 +70,8 @@ def test_heldout_accuracy_counts_only_correct_answers():
     assert out["heldout/accuracy"] == pytest.approx(3 / 8)
     assert out["heldout/reward"] == pytest.approx((3 * 1.0 + 3 * 0.1 + 2 * 0.0) / 8)
     assert out["heldout/format_rate"] == pytest.approx(6 / 8)
+    # the per-problem verdicts, in the held-out order (what pairs two evaluations problem by problem)
+    assert out[HELDOUT_CORRECT] == "".join("1" if v == "correct" else "0" for _, _, v in CASES) == "10010010"
     # greedy, at the eval token limit, every held-out prompt once
     ((prompts, sampling, _seed),) = gen.calls
     assert prompts == probs.heldout_prompts
