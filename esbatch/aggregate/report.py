@@ -1,12 +1,15 @@
 """Sweep reports: the analyses of a sweep YAML's ``aggregate:`` list, written as CSV, Markdown and PNG.
 
-Three kinds of analysis, each one function (``write_scaling``, ``write_curves``, ``write_final``):
+The analyses of the runs' metrics and folders, each one function (``write_scaling``, ``write_curves``,
+``write_final``, ``write_heldout_change``; ``drift`` in esbatch/aggregate/drift.py, the eval kinds in evals.py):
 
 * ``scaling`` - paper Table 6: a rows x cols grid of the smoothed metric at update T, with each
   column's gap to a reference column and the cells within ``tolerance`` of it marked;
 * ``curves`` - paper Appendix F: smoothed metric vs update, one line per ``hue`` value, one panel per
   ``panels`` value, shaded by the local spread of the raw-minus-smoothed residuals;
-* ``final`` - the smoothed metric at T (and held-out accuracy) of every run, grouped by ``by``.
+* ``final`` - the smoothed metric at T (and held-out accuracy) of every run, grouped by ``by``;
+* ``heldout_change`` - did held-out accuracy change during training: each run's two evaluations paired problem
+  by problem (esbatch/aggregate/paired.py), the change with a paired 95% interval, and a forest plot.
 
 Runs that did not produce a value (missing, pending, failed, killed, still running, metric never
 logged, stopped before T) are never dropped silently: their cells say why, and the index file
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,8 @@ import numpy as np
 
 from esbatch import durable
 from esbatch.aggregate.drift import write_drift
-from esbatch.aggregate.evals import WRITERS
+from esbatch.aggregate.evals import BOOTSTRAP, LEVEL, SEED, WRITERS
+from esbatch.aggregate.paired import PairedChange, paired_change, wilson
 from esbatch.aggregate.results import RunResult
 from esbatch.aggregate.smoothing import debiased_ema, local_std
 from esbatch.aggregate.tables import Section, finish, md_table, write_csv
@@ -34,21 +38,27 @@ from esbatch.config.aggregate import (
     EVAL_KINDS,
     HELDOUT,
     INDEX_FILE,
+    RUN_FOLDER_KINDS,
     Analysis,
     CurvesAnalysis,
     DriftAnalysis,
     FinalAnalysis,
+    HeldoutChangeAnalysis,
     ScalingAnalysis,
     is_num,
     parse_specs,
 )
+from esbatch.launch.state import SweepDir
 from esbatch.registry import did_you_mean
 from esbatch.schema import ConfigError
+from esbatch.train.problems import HELDOUT_CORRECT
+from esbatch.train.rundir import RunDir, RunFolderError, read_jsonl
 
 SEED_KEYS = ("run.seed",)
 # Parameters that differ between runs without changing what is measured: not grouping axes.
 BOOKKEEPING_KEYS = ("run.name", "run.output_dir", "run.threads", "model.device", "generation.batch_size")
 BOOKKEEPING_PREFIXES = ("tracking.", "checkpoint.")
+EvalRecords = Callable[[RunResult], dict[int, dict[str, Any]]]  # a run's eval.jsonl records by update
 
 
 def parse_analyses(
@@ -100,7 +110,7 @@ def _metric_errors(a: Analysis, runs: Sequence[RunResult]) -> list[str]:
     """The metrics ``a`` asks for that no run logged, each named with the closest logged name and the full list.
     Nothing is checked while no run has logged anything yet (a sweep still queued still gets its report)."""
     available = logged_metrics(runs)
-    if not available:
+    if not available or isinstance(a, HeldoutChangeAnalysis):  # its metric is fixed; each run's row says why not
         return []
     asked = [("metric", a.metric)]
     if isinstance(a, FinalAnalysis):
@@ -648,6 +658,242 @@ def _group_means(groups: dict[tuple, list], a: FinalAnalysis) -> list[list[Any]]
     return rows
 
 
+# ============================================================================ held-out change
+
+
+def run_eval_records(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """A run folder's eval.jsonl records by update (a later record of the same update replaces an earlier one).
+
+    A pipeline's evaluations are its stages': joined on the pipeline's update axis as
+    esbatch/aggregate/collect.py:folder_history joins their metrics (stage k's update t at ``offset_k + t``; where
+    two stages share an update the earlier stage's record is kept). Reads only; a torn last line is skipped."""
+    rd = RunDir(run_dir)
+    out: dict[int, dict[str, Any]] = {}
+    offset = 0
+    for st in rd.stages():
+        for t, rec in _own_eval_records(st).items():
+            out.setdefault(offset + t, rec)
+        offset += _stage_budget(st)
+    for t, rec in _own_eval_records(rd).items():
+        out.setdefault(t, rec)
+    return dict(sorted(out.items()))
+
+
+def _stage_budget(st: RunDir) -> int:
+    """A pipeline stage's length on the pipeline's update axis, by collect.py:stage_budget's rule (its run.json's
+    ``total_updates``, else the updates it logged); repeated here because collect.py imports this module."""
+    try:
+        total = st.read_meta().get("total_updates")
+    except RunFolderError:
+        total = None
+    if isinstance(total, int) and not isinstance(total, bool):
+        return total
+    return len(read_jsonl(st.log)[0])
+
+
+def _own_eval_records(rd: RunDir) -> dict[int, dict[str, Any]]:
+    return {
+        rec["t"]: rec
+        for rec in read_jsonl(rd.eval_log)[0]
+        if isinstance(rec, dict) and isinstance(rec.get("t"), int) and not isinstance(rec.get("t"), bool)
+    }
+
+
+def folder_records(sweep_dir: Path) -> EvalRecords:
+    """Each run's eval.jsonl records (:func:`run_eval_records`) from its folder in ``sweep_dir``, read once."""
+    sd, cache = SweepDir(sweep_dir), {}
+
+    def records(r: RunResult) -> dict[int, dict[str, Any]]:
+        if r.key not in cache:
+            cache[r.key] = run_eval_records(sd.run_dir(r.key).path)
+        return cache[r.key]
+
+    return records
+
+
+@dataclass
+class ChangeRow:
+    """One run of a ``heldout_change`` table: its paired change between two evaluations, or why it has none."""
+
+    hue: Any
+    run: RunResult
+    first: int
+    last: int | None
+    change: PairedChange | None
+    why: str = ""
+
+
+def _steps_text(steps: Sequence[int]) -> str:
+    shown = ", ".join(map(str, steps[:12])) + (f", … ({len(steps)} in all)" if len(steps) > 12 else "")
+    return f"evaluated at updates {shown}" if steps else "no evaluations"
+
+
+def change_row(run: RunResult, a: HeldoutChangeAnalysis, records: dict[int, dict[str, Any]]) -> ChangeRow:
+    """The paired change of ``run`` from its evaluation at ``a.first`` to the one at ``a.last`` (or its last)."""
+    hue = _param(run, a.hue)
+    held = {t: rec for t, rec in records.items() if HELDOUT in rec or HELDOUT_CORRECT in rec}
+    steps = sorted(held)
+    last = a.last if a.last is not None else (steps[-1] if steps else None)
+    row = ChangeRow(hue, run, a.first, last, None)
+    if not steps:
+        row.why = f"{run.status}: no held-out evaluation in eval.jsonl"
+    elif a.first not in held:
+        row.why = f"no evaluation at update {a.first} ({_steps_text(steps)})"
+    elif last is None or last not in held:
+        row.why = f"no evaluation at update {last} ({_steps_text(steps)})"
+    elif last <= a.first:
+        row.why, row.last = f"{run.status}: no evaluation after update {a.first} yet", None
+    if row.why:
+        return row
+    verdicts = {t: held[t].get(HELDOUT_CORRECT) for t in (a.first, last)}
+    old = [t for t, v in verdicts.items() if not isinstance(v, str)]
+    if len(old) == 2:
+        row.why = (
+            f"no per-problem verdicts ({HELDOUT_CORRECT}) in eval.jsonl at updates {a.first} and {last}: the run "
+            "predates them"
+        )
+    elif old:
+        row.why = (
+            f"no per-problem verdicts ({HELDOUT_CORRECT}) in eval.jsonl at update {old[0]}: that evaluation "
+            "predates them"
+        )
+    elif len(verdicts[a.first]) != len(verdicts[last]):
+        row.why = (
+            f"{run.label}: its evaluations at updates {a.first} and {last} scored different numbers of problems "
+            f"({len(verdicts[a.first])} and {len(verdicts[last])}), so they do not pair"
+        )
+    else:
+        try:
+            row.change = paired_change(verdicts[a.first], verdicts[last])
+        except ValueError as e:
+            row.why = f"{run.label}: unreadable {HELDOUT_CORRECT} ({e})"
+    return row
+
+
+def heldout_change_rows(runs: Sequence[RunResult], a: HeldoutChangeAnalysis, records: EvalRecords) -> list[ChangeRow]:
+    """One row per selected run, ordered by its ``hue`` value (stable: the sweep's order within a value)."""
+    sel = _selected(runs, a)
+    order = _ordered(_param(r, a.hue) for r in sel)
+    rank = {id(r): next(i for i, v in enumerate(order) if _same(v, _param(r, a.hue))) for r in sel}
+    return [change_row(r, a, records(r)) for r in sorted(sel, key=lambda r: rank[id(r)])]
+
+
+def _pct(v: float, sign: bool = False) -> str:
+    return f"{100 * v:+.1f}" if sign else f"{100 * v:.1f}"
+
+
+def _p_text(p: float) -> str:
+    return f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
+
+
+def _acc_cell(k: int, n: int) -> str:
+    lo, hi = wilson(k, n)
+    return f"{_pct(k / n)} [{_pct(lo)}, {_pct(hi)}]"
+
+
+def heldout_change_markdown(rows: Sequence[ChangeRow], a: HeldoutChangeAnalysis) -> str:
+    """The Markdown table of ``rows`` (accuracies in %, the change in percentage points) and its caption."""
+    md_rows = []
+    for r in rows:
+        c = r.change
+        updates = f"{r.first}→{r.last}" if r.last is not None else f"{r.first}→—"
+        if c is None:
+            cells = ["—"] * 6
+        else:
+            change = f"{_pct(c.change, sign=True)} [{_pct(c.lo, sign=True)}, {_pct(c.hi, sign=True)}]"
+            cells = [
+                str(c.n),
+                _acc_cell(c.k_first, c.n),
+                _acc_cell(c.k_last, c.n),
+                f"**{change}**" if c.excludes_zero else change,
+                f"{c.gained}/{c.lost}",
+                _p_text(c.mcnemar_p),
+            ]
+        md_rows.append([*([_fmt_param(r.hue)] if a.hue else []), r.run.label, updates, *cells, r.why])
+    header = [*([_short(a.hue)] if a.hue else []), "run", "updates", "problems"]
+    header += ["accuracy first [Wilson 95%]", "accuracy last [Wilson 95%]", "change [paired 95%]"]
+    header += ["gained/lost", "McNemar p", "note"]
+    last = f"update {a.last}" if a.last is not None else "its last evaluation (updates: first→last)"
+    caption = (
+        f"*Greedy held-out accuracy (%) of each run at update {a.first} and at {last}, each with its Wilson score "
+        f"95% interval over the problems; change = last − first in percentage points, with a paired {LEVEL:.0%} "
+        f"interval: the {50 * (1 - LEVEL):g}th and {50 * (1 + LEVEL):g}th percentiles of the mean per-problem "
+        "difference (last − first, each −1, 0 or 1) over "
+        f"{BOOTSTRAP:,} bootstrap resamples of the held-out problems with replacement (seed {SEED}; the paired "
+        "bootstrap of Table 10). **Bold**: the interval excludes 0 (an end exactly at 0 does not). gained/lost: "
+        "problems wrong→right / right→wrong; McNemar p: exact two-sided binomial test on those.*"
+    )
+    n_first = len(header) - 7  # problems .. McNemar p
+    return md_table(header, md_rows, right=range(n_first, len(header) - 1)) + "\n\n" + caption
+
+
+def write_heldout_change(
+    runs: Sequence[RunResult], a: HeldoutChangeAnalysis, out_dir: Path, records: EvalRecords, title: str = ""
+) -> Section:
+    """``<name>.csv`` (one line per run), ``<name>.md`` (the table) and ``<name>.png`` (a forest plot of the
+    changes). ``records``: each run's eval.jsonl records by update (:func:`folder_records`)."""
+    rows = heldout_change_rows(runs, a, records)
+    csv_rows = []
+    for r in rows:
+        c = r.change
+        cells: list[Any] = [None] * 16
+        if c is not None:
+            lo_f, hi_f = wilson(c.k_first, c.n)
+            lo_l, hi_l = wilson(c.k_last, c.n)
+            cells = [c.n, c.acc_first, lo_f, hi_f, c.acc_last, lo_l, hi_l, c.change, c.lo, c.hi]
+            cells += [c.excludes_zero, c.gained, c.lost, c.mcnemar_p, c.k_first, c.k_last]
+        csv_rows.append([r.hue, r.run.label, r.run.key, r.run.status, r.first, r.last, *cells, r.why])
+    header = [a.hue or "hue", "run", "key", "status", "first", "last", "problems"]
+    header += ["acc_first", "acc_first_lo", "acc_first_hi", "acc_last", "acc_last_lo", "acc_last_hi"]
+    header += ["change", "change_lo", "change_hi", "excludes_zero", "gained", "lost", "mcnemar_p"]
+    header += ["correct_first", "correct_last", "note"]
+    csv_path = write_csv(out_dir / f"{a.name}.csv", header, csv_rows)
+    png_path = _plot_forest(a, rows, out_dir / f"{a.name}.png", title)
+    body = f"![{a.name}]({png_path.name})\n\n" + heldout_change_markdown(rows, a)
+    heading = f"{a.name}: change of held-out accuracy" + (f" by {a.hue}" if a.hue else "")
+    return finish(a, out_dir, heading, body, [csv_path, png_path])
+
+
+def _plot_forest(a: HeldoutChangeAnalysis, rows: Sequence[ChangeRow], out: Path, title: str) -> Path:
+    """A forest plot: each run's change (percentage points) with its paired 95% interval, a line at 0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r.change is not None]
+    fig, ax = plt.subplots(figsize=(6.4, 1.2 + 0.35 * max(1, len(shown))))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    hues = _ordered(r.hue for r in shown)
+    for y, r in enumerate(shown):
+        c = r.change
+        assert c is not None
+        color = colors[next(i for i, h in enumerate(hues) if _same(h, r.hue)) % len(colors)]
+        ax.errorbar(
+            100 * c.change,
+            y,
+            xerr=[[100 * (c.change - c.lo)], [100 * (c.hi - c.change)]],
+            fmt="o",
+            color=color,
+            capsize=3,
+            ms=5,
+        )
+    ax.axvline(0, color="black", lw=0.8, zorder=0)
+    labels = [(f"{_short(a.hue)}={_fmt_param(r.hue)}  " if a.hue else "") + r.run.label for r in shown]
+    ax.set_yticks(range(len(shown)), labels, fontsize=8)
+    ax.set_ylim(len(shown) - 0.5 if shown else 0.5, -0.5)  # the table's order, top to bottom
+    if not shown:
+        ax.text(0.5, 0.5, "no run with per-problem verdicts", ha="center", va="center", transform=ax.transAxes)
+    last = f"update {a.last}" if a.last is not None else "last eval"
+    ax.set_xlabel(f"change in held-out accuracy, update {a.first} → {last} (percentage points)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(f"{title + ': ' if title else ''}{a.name}\npaired bootstrap 95% interval over problems", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 # ============================================================================ the report
 
 
@@ -664,8 +910,8 @@ def write_report(
 
     ``analyses=None`` uses ``default_analyses(runs)``. Parameter names are checked against the runs
     first (``ConfigError`` with "did you mean"), so nothing half-written is left by a typo.
-    ``sweep_dir``: the sweep folder, whose run folders the ``drift`` analysis reads. Returns the paths written,
-    the index last.
+    ``sweep_dir``: the sweep folder, whose run folders the ``drift`` and ``heldout_change`` analyses read. Returns
+    the paths written, the index last.
     """
     out_dir = Path(out_dir)
     if analyses is None:
@@ -684,13 +930,14 @@ def write_report(
         if a.kind == "threshold_curve" and (evals is None or not evals.threshold)
     ]
     errors += [
-        f"{a.path or a.name}: kind 'drift' reads the run folders of a sweep (esbatch aggregate SWEEP_DIR)"
+        f"{a.path or a.name}: kind '{a.kind}' reads the run folders of a sweep (esbatch aggregate SWEEP_DIR)"
         for a in analyses
-        if isinstance(a, DriftAnalysis) and sweep_dir is None
+        if isinstance(a, RUN_FOLDER_KINDS) and sweep_dir is None
     ]
     if errors:
         raise ConfigError(errors)
     out_dir.mkdir(parents=True, exist_ok=True)
+    records = folder_records(sweep_dir) if sweep_dir is not None else None
     sections = []
     for a in analyses:
         if isinstance(a, EVAL_KINDS):
@@ -703,6 +950,8 @@ def write_report(
             sections.append(write_final(runs, a, out_dir))
         elif isinstance(a, DriftAnalysis):
             sections.append(write_drift(_selected(runs, a), a, out_dir, sweep_dir))
+        elif isinstance(a, HeldoutChangeAnalysis) and records is not None:
+            sections.append(write_heldout_change(runs, a, out_dir, records, title))
         else:
             raise TypeError(f"not an analysis: {a!r}")
     index = out_dir / INDEX_FILE

@@ -1,7 +1,8 @@
 """Aggregate analyses: the specs of a sweep file's ``aggregate:`` list (written by esbatch/aggregate/report.py).
 
 Kinds, picked by ``kind``: ``scaling`` (paper Table 6), ``curves`` (Appendix F) and ``final`` read the runs'
-training metrics; ``eval_table``, ``eval_wins``, ``pareto`` and ``passk`` read a sweep's evaluations
+training metrics; ``heldout_change`` pairs two held-out evaluations of each run problem by problem (did held-out
+accuracy change during training?); ``eval_table``, ``eval_wins``, ``pareto`` and ``passk`` read a sweep's evaluations
 (``evaluate:``; esbatch/aggregate/evals.py: paper Tables 2/3/5/8/9/10 and Figure 3); ``threshold_curve`` reads
 the evals of its ``threshold:`` phase (Figure 4).
 """
@@ -80,6 +81,18 @@ def _opt_update(v: Any) -> int | None:
     if not is_num(v) or int(v) != v or v < 0:
         raise Invalid(f"got {v!r}")
     return int(v)
+
+
+@expects("an update count (integer >= 0)")
+def _update(v: Any) -> int:
+    if not is_num(v) or int(v) != v or v < 0:
+        raise Invalid(f"got {v!r}")
+    return int(v)
+
+
+@expects("an update count (integer >= 0) or null for each run's last evaluation")
+def _opt_last(v: Any) -> int | None:
+    return None if v is None else _update(v)
 
 
 @expects("an integer >= 2 (points in the rolling window)")
@@ -186,6 +199,33 @@ class FinalAnalysis(Analysis):
     by: list[str] = setting([], "parameters to group (and sort) the runs by", check=_key_list)
     at: int | None = setting(None, "update to read values at (null = each run's budget)", check=_opt_update)
     also: list[str] = setting([HELDOUT], "further metrics, raw, at the last logged step <= at", check=_metric_list)
+
+
+@dataclass(kw_only=True)
+class HeldoutChangeAnalysis(Analysis):
+    """Did held-out accuracy change during training? Each run's greedy held-out accuracy at update ``first`` and at
+    ``last``, paired problem by problem (eval.jsonl's ``heldout/correct``, esbatch/aggregate/paired.py): both
+    accuracies with Wilson 95% intervals, the change with a paired bootstrap 95% interval, problems gained and
+    lost, McNemar's exact p; a forest plot of the changes. Reads the run folders' eval.jsonl."""
+
+    kind: ClassVar[str] = "heldout_change"
+    unknown_key: ClassVar[str] = "unknown key for kind 'heldout_change'"
+    metric: str = field(default=HELDOUT, metadata={"internal": True})  # what it reads: not a YAML key
+    smoothing: float = field(default=0.0, metadata={"internal": True})  # raw evaluations: not a YAML key
+    hue: str | None = setting(
+        None,
+        "parameter whose values order and label the rows, one row per run (e.g. es.population_size: one row per "
+        "population size); null = the sweep's order",
+        check=_opt_key,
+    )
+    first: int = setting(0, "update of the 'before' evaluation (0 = the model before training)", check=_update)
+    last: int | None = setting(
+        None, "update of the 'after' evaluation (null = each run's last evaluation)", check=_opt_last
+    )
+
+    def validate(self, path: str, errors: list[str]) -> None:
+        if self.last is not None and self.last <= self.first:
+            errors.append(f"{path}.last: {self.last} is not after first ({self.first}); nothing to compare")
 
 
 @expects("eval metric names, e.g. [pass@1, pass@16, pass@32], [maj@16, maj@32], [entropy]")
@@ -357,7 +397,7 @@ class DriftAnalysis(Analysis):
 
 
 EVAL_KINDS = (EvalTableAnalysis, EvalWinsAnalysis, ParetoAnalysis, PassKAnalysis, ThresholdCurveAnalysis)
-RUN_FOLDER_KINDS = (DriftAnalysis,)
+RUN_FOLDER_KINDS = (DriftAnalysis, HeldoutChangeAnalysis)
 KINDS: dict[str, type[Analysis]] = {
     c.kind: c for c in (ScalingAnalysis, CurvesAnalysis, FinalAnalysis, *RUN_FOLDER_KINDS, *EVAL_KINDS)
 }

@@ -331,7 +331,7 @@ def test_parse_analyses_reports_every_problem_with_its_path():
     assert any(
         x.startswith("sweep.aggregate[1].kind")
         and "scaling" in x
-        and "curves, drift, eval_table, eval_wins, final, pareto, passk, scaling" in x
+        and "curves, drift, eval_table, eval_wins, final, heldout_change, pareto, passk, scaling" in x
         for x in errs
     )
     assert any(x.startswith("sweep.aggregate[2].smoothing") and "0 <= weight < 1" in x for x in errs)
