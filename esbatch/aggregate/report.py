@@ -6,7 +6,8 @@ The analyses of the runs' metrics and folders, each one function (``write_scalin
 * ``scaling`` - paper Table 6: a rows x cols grid of the smoothed metric at update T, with each
   column's gap to a reference column and the cells within ``tolerance`` of it marked;
 * ``curves`` - paper Appendix F: smoothed metric vs update, one line per ``hue`` value, one panel per
-  ``panels`` value, shaded by the local spread of the raw-minus-smoothed residuals;
+  ``panels`` value, shaded by the local spread of the raw-minus-smoothed residuals (``band: residual``) or by
+  the Wilson 95% interval of the raw held-out accuracy (``band: wilson``);
 * ``final`` - the smoothed metric at T (and held-out accuracy) of every run, grouped by ``by``;
 * ``heldout_change`` - did held-out accuracy change during training: each run's two evaluations paired problem
   by problem (esbatch/aggregate/paired.py), the change with a paired 95% interval, and a forest plot.
@@ -58,6 +59,7 @@ SEED_KEYS = ("run.seed",)
 # Parameters that differ between runs without changing what is measured: not grouping axes.
 BOOKKEEPING_KEYS = ("run.name", "run.output_dir", "run.threads", "model.device", "generation.batch_size")
 BOOKKEEPING_PREFIXES = ("tracking.", "checkpoint.")
+HELDOUT_SIZE = "task.heldout_size"
 EvalRecords = Callable[[RunResult], dict[int, dict[str, Any]]]  # a run's eval.jsonl records by update
 
 
@@ -431,16 +433,23 @@ class Curve:
     steps: np.ndarray
     raw: np.ndarray
     smoothed: np.ndarray
-    band: np.ndarray
+    band: np.ndarray  # band: residual: the local std
+    lo: np.ndarray | None = None  # band: wilson: the interval of the raw accuracy (NaN where n is unknown)
+    hi: np.ndarray | None = None
+    problems: np.ndarray | None = None  # band: wilson: problems scored at each step, summed over the runs (0 = ?)
 
 
-def curves_data(runs: Sequence[RunResult], a: CurvesAnalysis) -> tuple[list[Any], list[Any], list[Curve]]:
+def curves_data(
+    runs: Sequence[RunResult], a: CurvesAnalysis, records: EvalRecords | None = None
+) -> tuple[list[Any], list[Any], list[Curve]]:
     """Panel values, hue values and one ``Curve`` per (panel, hue) that has runs.
 
     Runs sharing a (panel, hue), e.g. seeds, are averaged point-wise at the steps *all* of them
     logged, so every point of a curve is a mean over the same runs (a run that stopped early ends
     the curve there instead of silently changing which runs it averages). The mean is then smoothed
-    with the debiased EMA and the band is smoothed ± ``local_std(raw mean - smoothed, band_window)``.
+    with the debiased EMA and the band is smoothed ± ``local_std(raw mean - smoothed, band_window)``;
+    with ``band: wilson`` the band is instead the Wilson 95% interval of the raw accuracy at each step
+    (:func:`wilson_counts`: the runs' correct answers and problems summed).
     """
     runs = _selected(runs, a)
     panel_vals = _ordered(_param(r, a.panels) for r in runs)
@@ -463,20 +472,65 @@ def curves_data(runs: Sequence[RunResult], a: CurvesAnalysis) -> tuple[list[Any]
                 band = local_std(raw - smooth, a.band_window)
             else:
                 raw = smooth = band = np.zeros(0)
-            curves.append(Curve(pv, hv, used, without, steps, raw, smooth, band))
+            curve = Curve(pv, hv, used, without, steps, raw, smooth, band)
+            if a.band == "wilson":
+                _wilson_band(curve, a.metric, records)
+            curves.append(curve)
     return panel_vals, hue_vals, curves
 
 
-def write_curves(runs: Sequence[RunResult], a: CurvesAnalysis, out_dir: Path, title: str = "") -> Section:
-    """Appendix F-style PNG (one panel per ``panels`` value), the plotted numbers as CSV, a Markdown summary."""
-    panel_vals, hue_vals, curves = curves_data(runs, a)
+def wilson_counts(run: RunResult, step: int, metric: str, records: EvalRecords | None) -> tuple[int, int] | None:
+    """(correct, problems) of ``run``'s held-out evaluation at ``step``: counted from its per-problem verdicts
+    (eval.jsonl's ``heldout/correct``) where ``records`` has them, else ``round(accuracy * n)`` of ``n`` = the run's
+    ``task.heldout_size``; None when neither tells how many problems were scored."""
+    rec = (records(run) if records is not None else {}).get(step, {})
+    verdicts = rec.get(HELDOUT_CORRECT)
+    if isinstance(verdicts, str) and verdicts and not verdicts.strip("01"):
+        return verdicts.count("1"), len(verdicts)
+    n = run.params.get(HELDOUT_SIZE)
+    acc = dict(run.history.get(metric, [])).get(step)
+    if not is_num(n) or int(n) != n or n < 1 or acc is None or not 0 <= acc <= 1:
+        return None
+    return round(acc * int(n)), int(n)
+
+
+def _wilson_band(c: Curve, metric: str, records: EvalRecords | None) -> None:
+    """Fill ``c.lo``/``c.hi``/``c.problems``: the Wilson 95% interval of the pooled counts of its runs per step."""
+    c.lo, c.hi = np.full(len(c.steps), np.nan), np.full(len(c.steps), np.nan)
+    c.problems = np.zeros(len(c.steps), dtype=np.int64)
+    cache: dict[int, dict[int, dict[str, Any]]] = {}
+
+    def cached(r: RunResult) -> dict[int, dict[str, Any]]:
+        if id(r) not in cache:
+            cache[id(r)] = records(r) if records is not None else {}
+        return cache[id(r)]
+
+    for i, step in enumerate(c.steps.tolist()):
+        counts = [wilson_counts(r, step, metric, cached if records is not None else None) for r in c.runs]
+        if counts and all(x is not None for x in counts):
+            k, n = sum(x[0] for x in counts), sum(x[1] for x in counts)  # type: ignore[index]
+            c.lo[i], c.hi[i] = wilson(k, n)
+            c.problems[i] = n
+
+
+def write_curves(
+    runs: Sequence[RunResult], a: CurvesAnalysis, out_dir: Path, title: str = "", records: EvalRecords | None = None
+) -> Section:
+    """Appendix F-style PNG (one panel per ``panels`` value), the plotted numbers as CSV, a Markdown summary.
+
+    ``records``: each run's eval.jsonl records by update, for ``band: wilson``'s problem counts (without them, or
+    where a record lacks its verdicts, the run's ``task.heldout_size`` is the count)."""
+    wilson_band = a.band == "wilson"
+    panel_vals, hue_vals, curves = curves_data(runs, a, records)
     rows = []
     for c in curves:
         for i in range(len(c.steps)):
-            rows.append([c.panel, c.hue, int(c.steps[i]), c.raw[i], c.smoothed[i], c.band[i], len(c.runs)])
+            band_cells = [c.lo[i], c.hi[i], int(c.problems[i]) or None] if wilson_band else [c.band[i]]  # type: ignore[index]
+            rows.append([c.panel, c.hue, int(c.steps[i]), c.raw[i], c.smoothed[i], *band_cells, len(c.runs)])
+    band_header = ["wilson_lo", "wilson_hi", "problems"] if wilson_band else ["band_std"]
     csv_path = write_csv(
         out_dir / f"{a.name}.csv",
-        [a.panels or "panel", a.hue or "hue", "step", "raw_mean", "smoothed", "band_std", "n_runs"],
+        [a.panels or "panel", a.hue or "hue", "step", "raw_mean", "smoothed", *band_header, "n_runs"],
         rows,
     )
     png_path = _plot_curves(a, panel_vals, hue_vals, curves, out_dir / f"{a.name}.png", title)
@@ -492,18 +546,43 @@ def write_curves(runs: Sequence[RunResult], a: CurvesAnalysis, out_dir: Path, ti
                 f"{len(c.runs)}/{planned}",
                 f"{int(c.steps[0])}–{last}" if last is not None else "—",
                 _num(float(c.smoothed[-1])) if last is not None else "—",
-                _num(float(c.band[-1])) if last is not None else "—",
+                (_wilson_cell(c) if wilson_band else _num(float(c.band[-1]))) if last is not None else "—",
             ]
         )
     header = [*([_short(a.panels)] if a.panels else []), _short(a.hue) or "curve", "runs", "updates"]
-    header += [f"smoothed {a.metric} at last update", "band std there"]
-    caption = (
-        f"![{a.name}]({png_path.name})\n\n"
-        f"*Lines: {a.metric} smoothed by debiased exponential smoothing (weight {a.smoothing:g}); shading: ± the "
-        f"local standard deviation (window {a.band_window}) of the raw-minus-smoothed residuals; faint: raw values. "
-        "Runs sharing a line are averaged at the updates all of them logged (runs: with data / planned).*"
-    )
+    header += [f"smoothed {a.metric} at last update", "Wilson 95% there" if wilson_band else "band std there"]
+    if wilson_band:
+        lines = (
+            f"{a.metric} smoothed by debiased exponential smoothing (weight {a.smoothing:g}); faint: raw values"
+            if a.smoothing > 0
+            else f"raw {a.metric} (no smoothing)"
+        )
+        shading = (
+            "shading: the Wilson 95% score interval of the raw held-out accuracy at each evaluation, n = the problems "
+            f"it scored (the length of {HELDOUT_CORRECT}, else the run's {HELDOUT_SIZE}); runs sharing a line pool "
+            "their counts (correct answers and problems summed)"
+        )
+        caption = (
+            f"![{a.name}]({png_path.name})\n\n*Lines: {lines}; {shading}. Runs sharing a line are averaged at the "
+            "updates all of them logged (runs: with data / planned).*"
+        )
+    else:
+        caption = (
+            f"![{a.name}]({png_path.name})\n\n"
+            f"*Lines: {a.metric} smoothed by debiased exponential smoothing (weight {a.smoothing:g}); shading: ± the "
+            f"local standard deviation (window {a.band_window}) of the raw-minus-smoothed residuals; faint: raw "
+            "values. Runs sharing a line are averaged at the updates all of them logged (runs: with data / planned).*"
+        )
     notes = _missing_notes([w for c in curves for w in c.without], f"no {a.metric} (not plotted)")
+    if wilson_band:
+        unknown = [c for c in curves if c.lo is not None and len(c.steps) and np.isnan(c.lo).any()]
+        notes += [
+            f"- Line {_fmt_param(c.hue) if a.hue else 'all'}"
+            + (f" ({a.panels}={_fmt_param(c.panel)})" if a.panels else "")
+            + f": no Wilson band at {int(np.isnan(c.lo).sum())} of its {len(c.steps)} updates: how many problems "
+            f"were scored is unknown there (no {HELDOUT_CORRECT} in eval.jsonl and no {HELDOUT_SIZE})"
+            for c in unknown
+        ]
     short = [
         f"- {r.label}: {_progress(r, a.metric)}, longer than the others of its line, which ends at update "
         f"{int(c.steps[-1])}"
@@ -523,6 +602,11 @@ def write_curves(runs: Sequence[RunResult], a: CurvesAnalysis, out_dir: Path, ti
         if p
     )
     return finish(a, out_dir, f"{a.name}: {a.metric} vs update", body, [csv_path, png_path])
+
+
+def _wilson_cell(c: Curve) -> str:
+    lo, hi = float(c.lo[-1]), float(c.hi[-1])  # type: ignore[index]
+    return "—" if math.isnan(lo) else f"[{lo:.4f}, {hi:.4f}] (n={int(c.problems[-1])})"  # type: ignore[index]
 
 
 def _plot_curves(
@@ -551,7 +635,11 @@ def _plot_curves(
             if len(c.runs) > 1:
                 label += f" (n={len(c.runs)})"
             sparse = len(c.steps) <= 30  # e.g. evaluations every k updates: show where the points are
-            if a.smoothing > 0:  # raw values faint, a band only where a smoothed curve has residuals to show
+            if a.band == "wilson":  # the interval of the raw accuracy, with or without smoothing
+                if a.smoothing > 0:
+                    ax.plot(c.steps, c.raw, color=color, alpha=0.25, lw=0.7, zorder=1)
+                ax.fill_between(c.steps, c.lo, c.hi, color=color, alpha=0.2, lw=0, zorder=2)
+            elif a.smoothing > 0:  # raw values faint, a band only where a smoothed curve has residuals to show
                 ax.plot(c.steps, c.raw, color=color, alpha=0.25, lw=0.7, zorder=1)
                 ax.fill_between(
                     c.steps, c.smoothed - c.band, c.smoothed + c.band, color=color, alpha=0.2, lw=0, zorder=2
@@ -568,10 +656,12 @@ def _plot_curves(
         ax.grid(alpha=0.3)
         if drawn:
             ax.legend(title=a.hue, fontsize=8, title_fontsize=8)
+    if a.band == "wilson":
+        what = (f"debiased EMA {a.smoothing:g}" if a.smoothing > 0 else "raw") + ", band Wilson 95% of raw accuracy"
+    else:
+        what = f"debiased EMA {a.smoothing:g}, band ± local std (window {a.band_window})" if a.smoothing > 0 else "raw"
     fig.suptitle(  # two short lines so a one-panel figure does not cut the title off
-        f"{title + ': ' if title else ''}{a.name}\n{a.metric}, "
-        + (f"debiased EMA {a.smoothing:g}, band ± local std (window {a.band_window})" if a.smoothing > 0 else "raw"),
-        fontsize=10,
+        f"{title + ': ' if title else ''}{a.name}\n{a.metric}, {what}", fontsize=10
     )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -910,8 +1000,9 @@ def write_report(
 
     ``analyses=None`` uses ``default_analyses(runs)``. Parameter names are checked against the runs
     first (``ConfigError`` with "did you mean"), so nothing half-written is left by a typo.
-    ``sweep_dir``: the sweep folder, whose run folders the ``drift`` and ``heldout_change`` analyses read. Returns
-    the paths written, the index last.
+    ``sweep_dir``: the sweep folder, whose run folders the ``drift`` and ``heldout_change`` analyses read (and
+    ``curves`` with ``band: wilson``, for the problems each evaluation scored). Returns the paths written,
+    the index last.
     """
     out_dir = Path(out_dir)
     if analyses is None:
@@ -945,7 +1036,7 @@ def write_report(
         elif isinstance(a, ScalingAnalysis):
             sections.append(write_scaling(runs, a, out_dir))
         elif isinstance(a, CurvesAnalysis):
-            sections.append(write_curves(runs, a, out_dir, title))
+            sections.append(write_curves(runs, a, out_dir, title, records))
         elif isinstance(a, FinalAnalysis):
             sections.append(write_final(runs, a, out_dir))
         elif isinstance(a, DriftAnalysis):

@@ -188,6 +188,21 @@ class CurvesAnalysis(Analysis):
     panels: str | None = setting(None, "parameter with one subplot per value (null = one panel)", check=_opt_key)
     hue: str | None = setting(None, "parameter with one line per value (null = one line)", check=_opt_key)
     band_window: int = setting(21, "points in the local-std window of the shaded band", check=_window)
+    band: str = setting(
+        "residual",
+        "what the shading shows: residual = ± the local std (window band_window) of the raw-minus-smoothed "
+        "residuals; wilson = the Wilson 95% interval of the raw held-out accuracy at each evaluation (metric "
+        "heldout/accuracy only; n = the problems of that evaluation, runs sharing a line pooled; drawn also with "
+        "smoothing 0)",
+        choices=("residual", "wilson"),
+    )
+
+    def validate(self, path: str, errors: list[str]) -> None:
+        if self.band == "wilson" and self.metric != HELDOUT:
+            errors.append(
+                f"{path}.band: 'wilson' is an interval of a proportion over held-out problems, so it needs "
+                f"metric: {HELDOUT} (got metric: {self.metric!r}); use band: residual for other metrics"
+            )
 
 
 @dataclass(kw_only=True)

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from esbatch.aggregate.collect import folder_history
 from esbatch.aggregate.paired import paired_change, wilson
 from esbatch.aggregate.report import (
+    CurvesAnalysis,
     parse_analyses,
     run_eval_records,
+    write_curves,
     write_heldout_change,
     write_report,
 )
@@ -167,17 +171,20 @@ def test_config_errors_name_the_key_and_what_is_valid():
     with pytest.raises(ConfigError) as e:
         parse_analyses(
             [
-                {"kind": "final", "at": -1},
+                {"kind": "curves", "metric": HELD, "band": "wide"},
                 {"kind": "heldout_change", "hue": "es.popsize"},
                 {"kind": "heldout_change", "first": 50, "last": 50},
-                {"kind": "heldout_change", "first": -1},
+                {"kind": "curves", "band": "wilson"},
                 {"kind": "heldout_change", "metric": "reward/mean"},
+                {"kind": "heldout_change", "first": -1},
             ]
         )
     errs = e.value.errors
+    assert "aggregate[0].band: 'wide' is not a valid choice. Valid: residual, wilson" in errs
     assert any(x.startswith("aggregate[2].last: 50 is not after first (50)") for x in errs)
-    assert "aggregate[3].first: got -1; expected an update count (integer >= 0)" in errs
+    assert any(x.startswith("aggregate[3].band: 'wilson'") and "needs metric: heldout/accuracy" in x for x in errs)
     assert any(x.startswith("aggregate[4].metric: unknown key for kind 'heldout_change'") for x in errs)
+    assert "aggregate[5].first: got -1; expected an update count (integer >= 0)" in errs
     with pytest.raises(ConfigError) as e:
         parse_analyses([{"kind": "heldout_change", "hue": "es.popsize"}], runs=RUNS)
     (err,) = e.value.errors
@@ -204,3 +211,69 @@ def test_run_eval_records_joins_a_pipelines_stages_on_its_update_axis(tmp_path):
     assert got == {0: "00", 4: "10", 8: "01"}  # stage 2's step 0 scores the weights stage 1's step 4 did
     assert sorted(got) == [t for t, _ in folder_history(RunDir(pipe))[HELD]]  # the metrics' update axis
     assert run_eval_records(tmp_path / "absent") == {}
+
+
+class Drawn:
+    """The bands and titles a curves plot draws (matplotlib's calls recorded)."""
+
+    def __init__(self, monkeypatch):
+        from matplotlib.axes import Axes
+        from matplotlib.figure import Figure
+
+        self.bands, self.titles = [], []
+        fill, title = Axes.fill_between, Figure.suptitle
+
+        def fill_between(ax, x, lo, hi, **kw):
+            self.bands.append((np.asarray(x), np.asarray(lo, dtype=float), np.asarray(hi, dtype=float)))
+            return fill(ax, x, lo, hi, **kw)
+
+        def suptitle(fig, t, **kw):
+            self.titles.append(t)
+            return title(fig, t, **kw)
+
+        monkeypatch.setattr(Axes, "fill_between", fill_between)
+        monkeypatch.setattr(Figure, "suptitle", suptitle)
+
+
+def test_wilson_band_pools_the_counts_of_a_lines_runs_and_is_drawn_without_smoothing(tmp_path, monkeypatch):
+    runs = [
+        make_run("s0", 16, {0: 0.3, 10: 0.5}),
+        make_run("s1", 16, {0: 0.2, 10: 0.8}),  # no records: its task.heldout_size counts
+        make_run("n8", 8, {0: 0.5, 10: 0.5}, size=None),  # neither verdicts nor a size: no band
+    ]
+    recs = {"s0": {0: rec(0, "1110000000"), 10: rec(10, "1111100000")}}
+    drawn = Drawn(monkeypatch)
+    a = CurvesAnalysis(name="acc", metric=HELD, hue="es.population_size", smoothing=0.0, band="wilson")
+    section = write_curves(runs, a, tmp_path, "", lambda r: recs.get(r.key, {}))
+    rows = [r for r in read_csv(tmp_path / "acc.csv") if r["es.population_size"] == "16"]
+    assert list(rows[0]) == [
+        "panel", "es.population_size", "step", "raw_mean", "smoothed", "wilson_lo", "wilson_hi", "problems", "n_runs"
+    ]  # fmt: skip
+    assert [(r["step"], r["problems"]) for r in rows] == [("0", "20"), ("10", "20")]
+    assert [(float(r["wilson_lo"]), float(r["wilson_hi"])) for r in rows] == [wilson(3 + 2, 20), wilson(5 + 8, 20)]
+    (x16, lo16, hi16), (x8, lo8, _) = sorted(drawn.bands, key=lambda b: -np.isfinite(b[1]).sum())
+    assert list(x16) == [0, 10] and list(lo16) == [wilson(5, 20)[0], wilson(13, 20)[0]]
+    assert np.isnan(lo8).all()
+    assert drawn.titles and "band Wilson 95% of raw accuracy" in drawn.titles[-1] and "raw," in drawn.titles[-1]
+    assert "shading: the Wilson 95% score interval of the raw held-out accuracy" in section.markdown
+    assert "Lines: raw heldout/accuracy (no smoothing)" in section.markdown
+    lo, hi = wilson(13, 20)
+    assert f"[{lo:.4f}, {hi:.4f}] (n=20)" in section.markdown and (lo, hi) == pytest.approx((0.4329, 0.8188), abs=1e-4)
+    assert "Line 8: no Wilson band at 2 of its 2 updates" in section.markdown
+
+
+def test_residual_band_is_the_default_and_unchanged(tmp_path, monkeypatch):
+    runs = [make_run("s0", 16, {t: 0.3 + 0.01 * math.sin(t) for t in range(0, 50)})]
+    drawn = Drawn(monkeypatch)
+    a = CurvesAnalysis(name="res", metric=HELD, hue="es.population_size", band_window=5)
+    assert a.band == "residual"
+    section = write_curves(runs, a, tmp_path)
+    assert list(read_csv(tmp_path / "res.csv")[0]) == [
+        "panel", "es.population_size", "step", "raw_mean", "smoothed", "band_std", "n_runs"
+    ]  # fmt: skip
+    assert "shading: ± the local standard deviation (window 5) of the raw-minus-smoothed residuals" in section.markdown
+    assert drawn.titles[-1].endswith("heldout/accuracy, debiased EMA 0.99, band ± local std (window 5)")
+    assert len(drawn.bands) == 1
+    drawn.bands.clear()
+    write_curves(runs, CurvesAnalysis(name="raw", metric=HELD, smoothing=0.0), tmp_path)
+    assert drawn.bands == [] and drawn.titles[-1].endswith("heldout/accuracy, raw")  # no band without smoothing
