@@ -317,14 +317,14 @@ class RunDir:
         """The update the saved center belongs to (reads the header only), None without a center."""
         if not self.center.exists():
             return None
-        with self._open_center() as f:
+        with self._open_center("numpy") as f:  # the header alone: torch is not imported for `esbatch status`
             return self._t_of(f)
 
-    def _open_center(self) -> Any:
+    def _open_center(self, framework: str = "pt") -> Any:
         from safetensors import safe_open
 
         try:
-            return safe_open(str(self.center), framework="pt")
+            return safe_open(str(self.center), framework=framework)
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
             raise RunFolderError(self._damaged(f"cannot be read ({type(e).__name__}: {e})")) from None
 
