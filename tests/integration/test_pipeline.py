@@ -1,4 +1,5 @@
-"""es -> grpo pipeline with tiny budgets: both stages run, weights flow, MLflow nests the stages."""
+"""es -> grpo pipeline with tiny budgets: both stages run, weights flow, MLflow nests the stages; pipelines are
+swept like any config."""
 
 import json
 
@@ -52,56 +53,22 @@ def test_stages_continue_one_data_schedule(tmp_path):
     assert es_part + grpo_part == single
 
 
-def test_es_then_grpo_pipeline(tmp_path, tiny_model_dir):
-    cfg = toy_config(
-        tiny_model_dir,
-        heldout=2,
-        gen_batch=16,
-        algorithm="pipeline",
-        pipeline={"stages": ["es", "grpo"], "updates": 4},
-        run={"name": "p", "seed": 3, "output_dir": str(tmp_path / "runs"), "threads": 1},
-        grpo={"group_size": 4, "batch_size": 2, "learning_rate": 1e-3},
-        eval={"every": 0},
-        checkpoint={"every": 2},
-        tracking={"experiment": "pipe"},
-    )
-    path = tmp_path / "pipe.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    p = run_esbatch("train", str(path), "--no-progress")
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    rd = tmp_path / "runs" / "p"
-    es_log = (rd / "stage1-es" / "log.jsonl").read_text().splitlines()
-    grpo_log = (rd / "stage2-grpo" / "log.jsonl").read_text().splitlines()
-    assert len(es_log) == 2 and len(grpo_log) == 2  # 4 updates split equally
-    # the GRPO stage started from the ES stage's center
-    stage2 = yaml.safe_load((rd / "stage2-grpo" / "config.yaml").read_text())
-    assert stage2["model"]["init_weights"] == str(rd / "stage1-es" / "center.safetensors")
-    assert stage2["run"]["data_before"] == [[2, cfg["es"]["batch_size"]]]  # the data stream continues
-    es_center = load_file(str(rd / "stage1-es" / "center.safetensors"))
-    final = load_file(str(rd / "stage2-grpo" / "center.safetensors"))
-    assert any(not torch.equal(es_center[k], final[k]) for k in final)
-    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("pipe").experiment_id])
-    (parent,) = [r for r in runs if r.data.tags.get("algorithm") == "pipeline"]
-    kids = {r.data.tags["algorithm"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
-    assert set(kids) == {"es", "grpo"} and parent.info.status == "FINISHED"
-    meta, last = (json.loads((d / "run.json").read_text()) for d in (rd, rd / "stage2-grpo"))
-    assert meta["status"] == "finished" and meta["last_reward"] == last["last_reward"] is not None  # for status
-    # re-running finds both stages finished and trains nothing
-    p = run_esbatch("train", "--resume", str(rd), "--no-progress", timeout=300)
-    assert p.returncode == 0 and "pipeline stage" not in p.stderr
+def test_pipelines_are_swept_like_any_config_and_each_stage_starts_from_the_last(tmp_path, tiny_model_dir):
+    """A sweep over the stage order: es->grpo and grpo->es, each a pipeline run with nested stages. In the es->grpo
+    run (4 updates, split equally) both stages run, the weights and the data stream flow from stage 1 to stage 2,
+    MLflow nests the stages under the pipeline's run, and resuming the finished pipeline trains nothing.
 
-
-def test_pipelines_are_swept_like_any_config(tmp_path, tiny_model_dir):
-    """A sweep over the stage order: es->grpo and grpo->es, each a pipeline run with nested stages."""
+    (One sweep for what were two tests, this one and test_es_then_grpo_pipeline, which trained its own es->grpo
+    pipeline through `esbatch train`: a second set of process and DeepSpeed starts for what a sweep task runs too.)"""
     base = toy_config(
         tiny_model_dir,
         heldout=2,
         gen_batch=16,
         algorithm="pipeline",
-        pipeline={"stages": ["es", "grpo"], "updates": 2},
+        pipeline={"stages": ["es", "grpo"], "updates": 4},
         grpo={"group_size": 4, "batch_size": 2, "learning_rate": 1e-3},
         eval={"every": 0},
+        checkpoint={"every": 2},
     )
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
     sweep = {
@@ -121,6 +88,31 @@ def test_pipelines_are_swept_like_any_config(tmp_path, tiny_model_dir):
     sd = SweepDir(tmp_path / "out" / "order")  # reported like any run: `esbatch status` shows their last reward
     assert [(s.state, s.last_reward is not None) for s in run_states(sd)] == [("finished", True)] * 2
     assert "None: all 2 runs finished" in (sd.results / "README.md").read_text()  # not "needing attention"
+
+    # the es->grpo run
+    (rd,) = [r for r in runs if (r / "stage1-es").is_dir()]
+    es_log = (rd / "stage1-es" / "log.jsonl").read_text().splitlines()
+    grpo_log = (rd / "stage2-grpo" / "log.jsonl").read_text().splitlines()
+    assert len(es_log) == 2 and len(grpo_log) == 2  # 4 updates split equally
+    # the GRPO stage started from the ES stage's center
+    stage2 = yaml.safe_load((rd / "stage2-grpo" / "config.yaml").read_text())
+    assert stage2["model"]["init_weights"] == str(rd / "stage1-es" / "center.safetensors")
+    assert stage2["run"]["data_before"] == [[2, base["es"]["batch_size"]]]  # the data stream continues
+    es_center = load_file(str(rd / "stage1-es" / "center.safetensors"))
+    final = load_file(str(rd / "stage2-grpo" / "center.safetensors"))
+    assert any(not torch.equal(es_center[k], final[k]) for k in final)
+    client = MlflowClient(f"sqlite:///{sd.path / 'mlflow.db'}")
+    found = client.search_runs([client.get_experiment_by_name("order").experiment_id])
+    pipelines = [r for r in found if r.data.tags.get("algorithm") == "pipeline"]
+    (parent,) = [r for r in pipelines if r.data.tags.get("esbatch.run_key") == rd.name]
+    assert len(pipelines) == 2
+    kids = {r.data.tags["algorithm"]: r for r in found if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert set(kids) == {"es", "grpo"} and parent.info.status == "FINISHED"
+    meta, last = (json.loads((d / "run.json").read_text()) for d in (rd, rd / "stage2-grpo"))
+    assert meta["status"] == "finished" and meta["last_reward"] == last["last_reward"] is not None  # for status
+    # re-running finds both stages finished and trains nothing
+    p = run_esbatch("train", "--resume", str(rd), "--no-progress", timeout=300)
+    assert p.returncode == 0 and "pipeline stage" not in p.stderr, p.stderr[-3000:]
 
 
 def test_a_grpo_stage_with_inner_iterations_consumed_one_batch_per_mu_steps(tmp_path):
