@@ -34,18 +34,21 @@ def sweep_file(tmp: Path, name: str, **fields) -> Path:
 
 
 def test_a_grpo_sweep_finishes_and_is_not_resubmitted(tmp_path, tiny_model_dir):
+    """One GRPO run is enough for what is GRPO's own here (its budget is grpo.updates); several runs of a GRPO sweep
+    finishing and not resubmitted: tests/slurm/test_slurm_sweep.py (a 2-run GRPO grid), several runs resuming
+    after a raised budget: test_sweep_evals.py. Each GRPO task costs a process and a DeepSpeed start."""
     base(tmp_path, tiny_model_dir, algorithm="grpo")  # es.updates: 50 must not be taken for the budget
-    path = sweep_file(tmp_path, "g", grid={"grpo.learning_rate": [0.001, 0.002]})
+    path = sweep_file(tmp_path, "g", grid={"grpo.learning_rate": [0.002]})
     p = run_esbatch("sweep", str(path), timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    assert "2 runs: 2 finished" in p.stdout and p.stdout.count("2/2") == 2, p.stdout
+    assert "1 runs: 1 finished" in p.stdout and p.stdout.count("2/2") == 1, p.stdout
     again = run_esbatch("sweep", str(path))
-    assert "skipping 2 finished" in again.stdout and "nothing to submit" in again.stdout, again.stdout
+    assert "skipping 1 finished" in again.stdout and "nothing to submit" in again.stdout, again.stdout
     status = run_esbatch("status", str(tmp_path / "out" / "g")).stdout
-    assert "2 runs: 2 finished" in status and status.count("2/2") == 2, status
+    assert "1 runs: 1 finished" in status and status.count("2/2") == 1, status
     raised = run_esbatch("sweep", str(path), "--set", "grpo.updates=3", timeout=900)  # a raised budget continues
-    assert "submitting 2 run(s) (2 resume from their folders)" in raised.stdout, raised.stdout
-    assert "2 runs: 2 finished" in raised.stdout and raised.stdout.count("3/3") == 2, raised.stdout
+    assert "submitting 1 run(s) (1 resume from their folders)" in raised.stdout, raised.stdout
+    assert "1 runs: 1 finished" in raised.stdout and raised.stdout.count("3/3") == 1, raised.stdout
 
 
 def test_a_half_done_pipeline_resumes_its_unfinished_stage(tmp_path, tiny_model_dir):
