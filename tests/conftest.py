@@ -1,3 +1,4 @@
+import hashlib
 import importlib.util
 import os
 import sys
@@ -17,6 +18,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # hub miss immediate instead of ~20 s of retries. Set before huggingface_hub is imported, which reads it once.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no usage reports from hundreds of test processes
+# DeepSpeed JIT-builds its CPU shared-memory op (about 60 s of CPU, one core) at the first GRPO start into
+# ~/.cache/torch_extensions/py311_cpu, one folder for every environment; the build names this environment's torch
+# paths, so the integration phase (.venv) and the vllm phase (.venv-vllm) rebuilt it from each other in every CI run,
+# every GRPO start of a phase waiting on the build's lock. One folder per environment: built once per environment.
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR",
+    str(Path.home() / ".cache" / "torch_extensions" / f"tests-{hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]}"),
+)
 
 
 @pytest.fixture(scope="session")
