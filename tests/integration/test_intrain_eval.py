@@ -48,6 +48,16 @@ def same_center(a: Path, b: Path) -> None:
         assert torch.equal(sa[k], sb[k]), k
 
 
+def center(capsys, *args: str) -> tuple[int, str]:
+    """`esbatch center ARGS` in this process (the CLI's own main(): its exit code and stderr), not a subprocess that
+    imports torch, transformers and mlflow again for a replay of milliseconds; the training runs are subprocesses."""
+    from esbatch.cli import main
+
+    capsys.readouterr()
+    rc = main(["center", *args])
+    return rc, capsys.readouterr().err
+
+
 def t_of(path: Path) -> int:
     with safe_open(str(path), framework="pt") as f:
         return int(f.metadata()["t"])
@@ -57,7 +67,7 @@ def evals(rd: Path) -> list[dict]:
     return [json.loads(line) for line in (rd / "eval.jsonl").read_text().splitlines()]
 
 
-def test_es_in_training_evals_leave_the_center_alone_and_center_rebuilds_it(tmp_path, tiny_model_dir):
+def test_es_in_training_evals_leave_the_center_alone_and_center_rebuilds_it(tmp_path, tiny_model_dir, capsys):
     # with task evals every update, killed-free but resumed after 1 update (evals at t=0, 1 before, 2 after)
     with_evals = train(tmp_path, tiny_model_dir, "evals", es_updates=1, eval=TASK_EVAL, checkpoint={"every": 1})
     at1 = tmp_path / "center-at-1.safetensors"
@@ -90,24 +100,24 @@ def test_es_in_training_evals_leave_the_center_alone_and_center_rebuilds_it(tmp_
     # esbatch center: theta_0, the center after 1 update (saved before the resume) and after 2, bit for bit
     for t, saved in ((1, at1), (2, plain / "center.safetensors")):
         out = tmp_path / f"rebuilt-{t}.safetensors"
-        p = run_esbatch("center", str(plain), "--at", str(t), "--out", str(out))
-        assert p.returncode == 0, p.stdout + p.stderr
+        rc, err = center(capsys, str(plain), "--at", str(t), "--out", str(out))
+        assert rc == 0, err
         same_center(out, saved)
         assert t_of(out) == t
-    p = run_esbatch("center", str(plain), "--at", "0")  # default: the run's snapshots folder
-    assert p.returncode == 0, p.stderr
+    rc, err = center(capsys, str(plain), "--at", "0")  # default: the run's snapshots folder
+    assert rc == 0, err
     theta0 = load_file(plain / "snapshots" / "center-0.safetensors")
     from esbatch.models import load_model_and_tokenizer
 
     model, _ = load_model_and_tokenizer(str(tiny_model_dir), dtype="float32")
     params = dict(model.named_parameters())
     assert theta0.keys() == params.keys() and all(torch.equal(theta0[k], params[k].detach()) for k in params)
-    p = run_esbatch("center", str(plain), "--at", "5")
-    assert p.returncode == 2 and "log.jsonl records 2 update(s) (the last is update 1)" in p.stderr, p.stderr
-    assert "--at 2" in p.stderr
+    rc, err = center(capsys, str(plain), "--at", "5")
+    assert rc == 2 and "log.jsonl records 2 update(s) (the last is update 1)" in err, err
+    assert "--at 2" in err
 
 
-def test_grpo_snapshots_and_in_training_evals(tmp_path, tiny_model_dir):
+def test_grpo_snapshots_and_in_training_evals(tmp_path, tiny_model_dir, capsys):
     rd = train(
         tmp_path,
         tiny_model_dir,
@@ -125,11 +135,11 @@ def test_grpo_snapshots_and_in_training_evals(tmp_path, tiny_model_dir):
     assert [e["t"] for e in evals(rd)] == [0, 2] and all("eval/Digits/pass_at_4" in e for e in evals(rd))
 
     out = tmp_path / "g1.safetensors"
-    p = run_esbatch("center", str(rd), "--at", "1", "--out", str(out))
-    assert p.returncode == 0, p.stderr
+    rc, err = center(capsys, str(rd), "--at", "1", "--out", str(out))
+    assert rc == 0, err
     same_center(out, snap)
-    p = run_esbatch("center", str(rd), "--at", "0")
-    assert p.returncode == 2 and "GRPO centers come from snapshots" in p.stderr and "[1]" in p.stderr, p.stderr
+    rc, err = center(capsys, str(rd), "--at", "0")
+    assert rc == 2 and "GRPO centers come from snapshots" in err and "[1]" in err, err
 
     # esbatch eval takes the snapshot (--at T) like a final center
     ecfg = {
