@@ -16,6 +16,10 @@ from test_train_cli import center, esbatch, finish, write_config  # noqa: F401 -
 
 from esbatch.tracking import MLflowTracker
 
+# The single-process run (`single`) is a module fixture, built once per xdist worker: one group, so one worker
+# runs this module and builds it once (spread over the workers, each of them built it).
+pytestmark = pytest.mark.xdist_group("es_distributed")
+
 UPDATES = 6
 
 

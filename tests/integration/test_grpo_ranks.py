@@ -29,6 +29,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# The one-process GRPO step (`one_process`) is a module fixture, built once per xdist worker: one group, so one worker
+# runs this module and builds it once (spread over the workers, each of them built it).
+pytestmark = pytest.mark.xdist_group("grpo_ranks")
+
 HERE = Path(__file__).parent
 MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 # B per rank count: an even split, an uneven one, a short batch (fewer prompts than ranks: idle ranks)

@@ -17,6 +17,9 @@ UPDATES = 4
 # hung run waits before it ends. That the watchdog (not the subprocess timeout) ended it shows in exit code 75
 # and its message naming this limit.
 HANG_S = 20
+# The two hangs share the module's undisturbed reference run: one worker runs both, so it is trained once (two
+# workers each trained it: a module fixture is per process).
+pytestmark = pytest.mark.xdist_group("hang")
 
 
 def write(tmp: Path, model_dir: Path, name: str, marker: Path, nproc: int = 1) -> Path:

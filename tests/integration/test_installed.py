@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+# The wheel and its venv (`installed`) are a module fixture, built once per xdist worker: one group, so one worker
+# runs this module and builds it once (spread over the workers, each of them built it).
+pytestmark = pytest.mark.xdist_group("installed")
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

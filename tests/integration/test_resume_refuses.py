@@ -16,6 +16,10 @@ from esbatch.train import train
 from esbatch.train.lock import LOCK_FILE
 from esbatch.train.rundir import RunDir, RunFolderError
 
+# The two reference runs (`ref`) are a module fixture, built once per xdist worker: one group, so one worker
+# runs this module and builds it once (spread over the workers, each of them built it).
+pytestmark = pytest.mark.xdist_group("resume_refuses")
+
 UPDATES = 4
 
 

@@ -31,7 +31,12 @@ WHO = ["root", "unprivileged"]
 # A safety limit for each suite (they take ~15 s): minutes, so a loaded machine does not cut a suite short.
 SUITE_TIMEOUT_S = 900
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox isolates programs with Linux namespaces")
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="the sandbox isolates programs with Linux namespaces"),
+    # `suites` runs both suites once for the module's 52 cases, but a module fixture is per xdist worker: one group,
+    # so one worker runs the module and the suites once (spread over the workers, each of them ran both suites)
+    pytest.mark.xdist_group("sandbox_hostile"),
+]
 
 
 @dataclass
