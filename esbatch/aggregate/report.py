@@ -955,7 +955,7 @@ def _plot_forest(a: HeldoutChangeAnalysis, rows: Sequence[ChangeRow], out: Path,
     import matplotlib.pyplot as plt
 
     shown = [r for r in rows if r.change is not None]
-    fig, ax = plt.subplots(figsize=(6.4, 1.2 + 0.35 * max(1, len(shown))))
+    fig, ax = plt.subplots(figsize=(6.4, 1.6 + 0.35 * max(1, len(shown))))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     hues = _ordered(r.hue for r in shown)
     for y, r in enumerate(shown):
@@ -972,13 +972,17 @@ def _plot_forest(a: HeldoutChangeAnalysis, rows: Sequence[ChangeRow], out: Path,
             ms=5,
         )
     ax.axvline(0, color="black", lw=0.8, zorder=0)
-    labels = [(f"{_short(a.hue)}={_fmt_param(r.hue)}  " if a.hue else "") + r.run.label for r in shown]
+    def label(r: ChangeRow) -> str:  # the hue value, and the run's label where it says more (e.g. its seed)
+        hue = f"{_short(a.hue)}={_fmt_param(r.hue)}" if a.hue else ""
+        return r.run.label if not hue or r.run.label == hue else f"{hue}  {r.run.label}"
+
+    labels = [label(r) for r in shown]
     ax.set_yticks(range(len(shown)), labels, fontsize=8)
     ax.set_ylim(len(shown) - 0.5 if shown else 0.5, -0.5)  # the table's order, top to bottom
     if not shown:
         ax.text(0.5, 0.5, "no run with per-problem verdicts", ha="center", va="center", transform=ax.transAxes)
     last = f"update {a.last}" if a.last is not None else "last eval"
-    ax.set_xlabel(f"change in held-out accuracy, update {a.first} → {last} (percentage points)")
+    ax.set_xlabel(f"held-out accuracy change, update {a.first} → {last} (points)", fontsize=9)
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(f"{title + ': ' if title else ''}{a.name}\npaired bootstrap 95% interval over problems", fontsize=10)
     fig.tight_layout()
