@@ -972,6 +972,7 @@ def _plot_forest(a: HeldoutChangeAnalysis, rows: Sequence[ChangeRow], out: Path,
             ms=5,
         )
     ax.axvline(0, color="black", lw=0.8, zorder=0)
+
     def label(r: ChangeRow) -> str:  # the hue value, and the run's label where it says more (e.g. its seed)
         hue = f"{_short(a.hue)}={_fmt_param(r.hue)}" if a.hue else ""
         return r.run.label if not hue or r.run.label == hue else f"{hue}  {r.run.label}"
