@@ -72,14 +72,14 @@ def folder_history(rd: RunDir) -> dict[str, list[tuple[int, float]]]:
 
     A pipeline (esbatch/pipeline.py) logs in its stage folders: their histories are joined into one curve on the
     pipeline's update axis, stage k's step s at ``offset_k + s`` where ``offset_k`` sums the earlier stages'
-    budgets (:func:`stage_budget`). Where two stages have a point at the same step (the step-0 eval of stage k
+    budgets (``RunDir.stage_budget``). Where two stages have a point at the same step (the step-0 eval of stage k
     and the final eval of stage k - 1 score the same weights) the earlier stage's is kept: it was logged first.
     Metrics of the pipeline folder itself fill steps the stages leave free."""
     hist: Points = {}
     offset = 0
     for st in rd.stages():
         _join(hist, _own_history(st), offset)
-        offset += stage_budget(st)
+        offset += st.stage_budget()
     _join(hist, _own_history(rd), 0)
     return {k: sorted(pts.items()) for k, pts in hist.items()}
 
@@ -110,19 +110,6 @@ def _join(into: Points, pts: Points, offset: int) -> None:
         mine = into.setdefault(name, {})
         for step, v in steps.items():
             mine.setdefault(offset + step, v)
-
-
-def stage_budget(st: RunDir) -> int:
-    """A pipeline stage's length on the pipeline's update axis: its budget as its run.json records it
-    (``total_updates``, the split the pipeline gave it), so a stage stopped half-way still places the next one
-    where the pipeline's own count does; a stage folder without one counts the updates it logged."""
-    try:
-        total = st.read_meta().get("total_updates")
-    except RunFolderError:
-        total = None
-    if isinstance(total, int) and not isinstance(total, bool):
-        return total
-    return len(read_jsonl(st.log)[0])
 
 
 def collect(

@@ -52,7 +52,7 @@ from esbatch.config.aggregate import (
 from esbatch.launch.state import SweepDir
 from esbatch.registry import did_you_mean
 from esbatch.schema import ConfigError
-from esbatch.train.rundir import RunDir, RunFolderError, read_jsonl
+from esbatch.train.rundir import RunDir, read_jsonl
 
 SEED_KEYS = ("run.seed",)
 # Parameters that differ between runs without changing what is measured: not grouping axes.
@@ -766,22 +766,10 @@ def run_eval_records(run_dir: Path) -> dict[int, dict[str, Any]]:
     for st in rd.stages():
         for t, rec in _own_eval_records(st).items():
             out.setdefault(offset + t, rec)
-        offset += _stage_budget(st)
+        offset += st.stage_budget()
     for t, rec in _own_eval_records(rd).items():
         out.setdefault(t, rec)
     return dict(sorted(out.items()))
-
-
-def _stage_budget(st: RunDir) -> int:
-    """A pipeline stage's length on the pipeline's update axis, by collect.py:stage_budget's rule (its run.json's
-    ``total_updates``, else the updates it logged); repeated here because collect.py imports this module."""
-    try:
-        total = st.read_meta().get("total_updates")
-    except RunFolderError:
-        total = None
-    if isinstance(total, int) and not isinstance(total, bool):
-        return total
-    return len(read_jsonl(st.log)[0])
 
 
 def _own_eval_records(rd: RunDir) -> dict[int, dict[str, Any]]:

@@ -216,6 +216,18 @@ class RunDir:
             raise RunFolderError(f"{latest}: expected a tag like step12, got {tag[:40]!r}; the checkpoint is damaged")
         return int(tag[4:])
 
+    def stage_budget(self) -> int:
+        """A pipeline stage's length on the pipeline's update axis: its budget as its run.json records it
+        (``total_updates``, the split the pipeline gave it), so a stage stopped half-way still places the next one
+        where the pipeline's own count does; a stage folder without one counts the updates it logged."""
+        try:
+            total = self.read_meta().get("total_updates")
+        except RunFolderError:
+            total = None
+        if isinstance(total, int) and not isinstance(total, bool):
+            return total
+        return len(read_jsonl(self.log)[0])
+
     def never_updated(self) -> bool:
         """A run that failed before its first update: nothing to lose by starting it over."""
         stages = any(self.path.glob("stage*-*"))  # a pipeline that has begun a stage
