@@ -74,20 +74,16 @@ def _nonneg(v: Any) -> float:
     return float(v)
 
 
-@expects("an update count (integer >= 0) or null for each run's budget")
-def _opt_update(v: Any) -> int | None:
-    if v is None:
-        return None
-    if not is_num(v) or int(v) != v or v < 0:
-        raise Invalid(f"got {v!r}")
-    return int(v)
-
-
 @expects("an update count (integer >= 0)")
 def _update(v: Any) -> int:
     if not is_num(v) or int(v) != v or v < 0:
         raise Invalid(f"got {v!r}")
     return int(v)
+
+
+@expects("an update count (integer >= 0) or null for each run's budget")
+def _opt_update(v: Any) -> int | None:
+    return None if v is None else _update(v)
 
 
 @expects("an update count (integer >= 0) or null for each run's last evaluation")
