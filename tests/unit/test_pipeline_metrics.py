@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from esbatch.aggregate.collect import folder_history, stage_budget
+from esbatch.aggregate.collect import folder_history
 from esbatch.config import config_from_dict
 from esbatch.launch.state import disk_state
 from esbatch.pipeline import stage_scores
@@ -128,7 +128,7 @@ def test_the_next_stage_starts_at_the_earlier_ones_budget_not_at_what_they_logge
     stage(pipe, 2, "grpo", [0.5], [{"t": 0, HELDOUT: 0.3}], {"status": "running"})
     assert folder_history(pipe)["reward/mean"] == [(1, 0.1), (2, 0.2), (5, 0.5)]
     assert folder_history(pipe)[HELDOUT] == [(4, 0.3)]
-    assert [stage_budget(st) for st in pipe.stages()] == [4, 1]
+    assert [st.stage_budget() for st in pipe.stages()] == [4, 1]
     (pipe.path / "stage1-es" / "run.json").write_text(json.dumps({"status": "finished"}))
     assert folder_history(pipe)["reward/mean"] == [(1, 0.1), (2, 0.2), (3, 0.5)]
 
