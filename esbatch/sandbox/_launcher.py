@@ -6,9 +6,10 @@ arrives on stdin: an 8-byte length, then the ``marshal``-ed dict).
 The launcher enters the namespaces, forks init and turns the evaluator's SIGTERM into a SIGKILL for init; init builds
 the program's file system view, forks it, reaps orphans, polls memory when no cgroup limits it, and exits with the
 program's main process (the kernel then kills the rest); the program drops its privileges, takes its rlimits, execs.
-Reports reach the evaluator on a status pipe the program never holds, one line each: ``init PID``, ``report REPR``,
-``error TEXT``, ``memory BYTES``, ``peak BYTES``, ``status WAITSTATUS``. Standard library only, and only modules that
-load fast (no json, re or enum): an unprivileged evaluator may run this file with a system interpreter.
+Reports reach the evaluator on a status pipe the program never holds, one line each: ``init PID``, ``report HEX`` (the
+file system view, ``marshal``-ed), ``error TEXT``, ``memory BYTES``, ``peak BYTES``, ``status WAITSTATUS``. Standard
+library only, and only modules that load fast (no json, re or enum): an unprivileged evaluator may run this file with
+a system interpreter.
 """
 
 from __future__ import annotations
@@ -387,7 +388,7 @@ def _init(cfg: dict, cgroup_fds: list[int], oom_fd: int | None) -> None:
     if err:
         _emit(fd, f"error {err}")
         os._exit(0)
-    _emit(fd, f"report {report!r}")
+    _emit(fd, f"report {marshal.dumps(report).hex()}")  # no repr: parsing it back needs compile()
     _supervise(cfg, pid, oom_fd)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import marshal
 import os
 import resource
@@ -118,6 +117,17 @@ def collect(proc: subprocess.Popen, deadline: float, cap: int, on_exit: Callable
 # ----------------------------------------------------------------------------- isolated
 
 
+def _decode_report(field: str) -> dict | None:
+    """The file system report init sent as marshal-ed hex; None when damaged. Not ``ast.literal_eval``: Python
+    3.11's parser keeps its recursion depth per interpreter, so parses in two threads at once (``run_many``) can
+    raise "SystemError: AST constructor recursion depth mismatch" (CPython gh-106905)."""
+    try:
+        report = marshal.loads(bytes.fromhex(field))
+    except (ValueError, EOFError, TypeError):
+        return None
+    return report if isinstance(report, dict) else None
+
+
 def _parse_reports(raw: bytes) -> dict[str, str]:
     found: dict[str, str] = {}
     for line in raw.decode("utf-8", "replace").splitlines():
@@ -186,7 +196,7 @@ def run_isolated(cfg: dict, lim: Limits, cgroup: _cgroup.RunCgroup | None) -> Ou
         peak, kills = cgroup.usage()
         memory_killed = memory_killed or kills > 0
     rc = os.waitstatus_to_exitcode(int(reports["status"])) if "status" in reports else -signal.SIGKILL
-    report = ast.literal_eval(reports["report"]) if "report" in reports else None
+    report = _decode_report(reports["report"]) if "report" in reports else None
     return Outcome(rc, timed_out, out, err, tail, memory_killed, peak, report)
 
 

@@ -305,7 +305,9 @@ def check_countdown(response: str, numbers: list[int], target: int | float | str
         return Verdict.WRONG
     try:
         used: list[int] = []
-        value = _eval_countdown(ast.parse(expr.strip(), mode="eval"), used)
+        with _parse_lock:  # responses are scored in threads: see _parse_lock
+            tree = ast.parse(expr.strip(), mode="eval")
+        value = _eval_countdown(tree, used)
     except (SyntaxError, _Invalid, ValueError):
         return Verdict.WRONG
     if Counter(used) != Counter(numbers):
@@ -329,6 +331,9 @@ def countdown_key(response: str) -> str | None:
 
 _warned: dict[tuple[str, str], int] = {}
 _warn_lock = threading.Lock()
+# Python 3.11's parser keeps its AST recursion depth per interpreter: two threads parsing at once can raise
+# "SystemError: AST constructor recursion depth mismatch" (CPython gh-106905), and a scorer that raises scores WRONG.
+_parse_lock = threading.Lock()
 #: warnings per (task, exception type) before they are only counted; then one every WARN_EVERY
 WARN_FIRST, WARN_EVERY = 3, 1000
 
