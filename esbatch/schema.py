@@ -178,7 +178,8 @@ def build(cls: type, data: Any, path: str, errors: list[str]) -> Any:
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     """``cls``'s resolved annotations, read-only. Cached: ``typing.get_type_hints`` compiles every string annotation
-    again on each call, which was over 40% of building a run config (a sweep's status builds one per run)."""
+    again on each call: 47% of ``build``'s time in the sweep state-matrix tests (cProfile), where a status, a dry
+    run and a submission each build every run's config."""
     return typing.get_type_hints(cls)
 
 
