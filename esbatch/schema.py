@@ -337,10 +337,8 @@ def _short_repr(v: Any) -> str:
 def describe(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
     """(key, type, default, help) for every field, nested schemas flattened to dotted keys."""
     rows = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if not f.init or f.metadata.get("internal"):
-            continue
+    hints = _hints(cls)
+    for f in _input_fields(cls).values():
         key = f"{prefix}.{f.name}" if prefix else f.name
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp) and not getattr(tp, "variants", None):
