@@ -18,8 +18,10 @@ dataset inputs replace or equal what is there).
 Chart order in MLflow 3's UI is the browser's state, not the store's: with no saved state it makes one section per
 metric-name prefix (the part before the last ``/``), sections sorted alphabetically, names without a prefix
 ("Model metrics") last; each user's reordering is kept in their browser (local storage). A run's own page has no
-saved view, so there ``diversity/``, ``eval/``, ``flops/`` come before ``heldout/`` and ``reward/``; the
-experiment's charts, opened through the view link, start with reward and held-out accuracy.
+saved view: there ``heldout/`` and ``reward/`` come first because a run's other prefixes sort after them (FLOPs
+are ``update/flops``), except the opt-in ``diversity/`` and in-training ``eval/<label>/`` sections and GRPO's
+``policy/`` (between the two). The experiment's charts, opened through the view link, start with reward and
+held-out accuracy.
 """
 
 from __future__ import annotations

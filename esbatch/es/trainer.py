@@ -214,7 +214,7 @@ def _flops(backend: ESBackend, prompts: list[str], gen_tokens: int, n: int) -> d
     if not params or not counts:
         return {}
     prompt_len, gen_len = sum(counts) / len(counts), gen_tokens / (n * len(prompts))
-    return {"flops/update": es_flops(params, n, len(prompts), prompt_len, gen_len)["total"]}
+    return {"update/flops": es_flops(params, n, len(prompts), prompt_len, gen_len)["total"]}
 
 
 class ESTrainer(Trainer):

@@ -278,7 +278,7 @@ class GRPOTrainer(Trainer):
             "time/generation_s": t_gen if generated else 0.0,
             "time/weight_sync_s": b.get("t_sync", 0.0) if generated else 0.0,  # the policy into the vLLM engine
             "time/train_s": t_train,
-            "flops/update": flops,  # App. G.2 accounting with this step's real token counts
+            "update/flops": flops,  # App. G.2 accounting with this step's real token counts
             **{k: float(b[k]) for k in ("score/errors", "score/error_rate") if k in b},  # of the generated batch
             **self._drift(t),
         }

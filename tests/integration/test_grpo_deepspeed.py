@@ -84,7 +84,7 @@ def test_two_rank_deepspeed_grpo_steps(tmp_path, tiny_model_dir, monkeypatch):
         "policy/clip_fraction",
         "grad_norm",
         "tokens/per_s",
-        "flops/update",
+        "update/flops",
     ):
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [1, 2], key
 

@@ -107,7 +107,7 @@ def test_aggregate_publishes_the_compare_view_and_a_pipelines_joined_curves_once
     train = dataset_input("digits-train", ROWS, dataset_source(generator={"task": "digits"}), "train", "training")
     held = dataset_input("digits-heldout", ROWS[:1], dataset_source(generator={"task": "digits"}), "heldout", "eval")
     kid = {"mlflow.parentRunId": parent, "esbatch.sweep": "cmp"}
-    rewards = [{"reward/mean": 0.1 * t, "flops/update": 1e9} for t in range(4)]
+    rewards = [{"reward/mean": 0.1 * t, "update/flops": 1e9} for t in range(4)]
     _logged(sd.run_dir("es"), uri, rewards, {0: 0.25, 4: 0.5}, [train, held], {**kid, "esbatch.run_key": "es"})
     pipe = sd.run_dir("pipe")
     pipe.path.mkdir(parents=True)

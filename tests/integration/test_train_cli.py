@@ -91,7 +91,7 @@ def test_run_reports_and_logs_to_mlflow(reference):
         "time/generation_s",
         "time/perturb_restore_s",
         "time/update_s",
-        "flops/update",
+        "update/flops",
     ):
         hist = client.get_metric_history(run.info.run_id, key)
         assert sorted(m.step for m in hist) == list(range(1, UPDATES + 1)), key

@@ -235,7 +235,7 @@ def test_one_process_record_and_metrics_equal_the_hand_values():
         "epoch": epoch,
         "score/errors": 0.0,
         "score/error_rate": 0.0,
-        "flops/update": pytest.approx(flops, rel=1e-12),
+        "update/flops": pytest.approx(flops, rel=1e-12),
     }
     assert tokens == 54 and isinstance(m["tokens/generated"], int)
 
@@ -282,7 +282,7 @@ def test_no_flops_without_a_parameter_count_or_token_counts(params, counts):
     b = Scripted(members, params=params, counts=counts)
     probs = load_problems(cfg, b)
     b.learn(probs)
-    assert "flops/update" not in es_step(cfg, b, probs, 0)["metrics"]
+    assert "update/flops" not in es_step(cfg, b, probs, 0)["metrics"]
 
 
 def test_dynamic_dispatch_in_one_process_is_the_static_plan():

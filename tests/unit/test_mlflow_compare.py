@@ -46,7 +46,7 @@ def test_the_compare_view_groups_by_the_keys_that_vary_and_charts_reward_and_hel
     runs = [{"point": {"es.population_size": n, "model.name": "smollm2"}} for n in (4, 8)]
     keys = group_keys(runs)
     assert keys == ["es.population_size"]  # the same model in every run: nothing to group by
-    view = compare_view(keys, ["flops/update", "heldout/accuracy", "reward/mean"])
+    view = compare_view(keys, ["update/flops", "heldout/accuracy", "reward/mean"])
     assert view["groupBy"] == {
         "aggregateFunction": "average",
         "groupByKeys": [{"mode": "tag", "groupByData": "es.population_size"}],
