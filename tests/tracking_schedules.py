@@ -361,13 +361,13 @@ def _die(session: RunSession) -> None:
 # ---------------------------------------------------------------------------------------------- the property
 def recorded(run_dir: Path) -> dict[tuple[str, int], float]:
     """Every metric (key, step) the run folder's log.jsonl holds, with its value; every update also logged
-    memory/peak_rss_mb (its value is the process's, not in the log)."""
+    system/peak_rss_mb (its value is the process's, not in the log)."""
     from esbatch.train.rundir import RunDir
 
     out: dict[tuple[str, int], float] = {}
     for r in RunDir(run_dir).updates():
         out.update({(k, r["t"] + 1): v for k, v in r["metrics"].items() if isinstance(v, (int, float))})
-        out[("memory/peak_rss_mb", r["t"] + 1)] = float("nan")
+        out[("system/peak_rss_mb", r["t"] + 1)] = float("nan")
     return out
 
 

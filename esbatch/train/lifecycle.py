@@ -323,7 +323,7 @@ class RunSession:
             self.rd.write_meta(
                 done=t + 1, last_reward=rec["metrics"].get("reward/mean"), peak_rss_mb=round(peak_rss_mb(), 1)
             )
-        self.log({**rec["metrics"], "memory/peak_rss_mb": peak_rss_mb()}, t + 1)
+        self.log({**rec["metrics"], "system/peak_rss_mb": peak_rss_mb()}, t + 1)
 
     def record_eval(self, t: int, scores: dict[str, Any]) -> None:
         """eval.jsonl gets every score (the per-problem verdicts too); tracking gets the numbers."""

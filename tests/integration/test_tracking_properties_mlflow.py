@@ -30,7 +30,7 @@ from tracking_schedules import (
 
 from esbatch.tracking.spool import spool_path
 
-MEMORY = "memory/peak_rss_mb"  # the process's own figure: its value differs from one play to the other
+MEMORY = "system/peak_rss_mb"  # the process's own figure: its value differs from one play to the other
 WHERE = ("run.output_dir", "tracking.uri")  # params that name each play's own folder and store
 
 

@@ -278,7 +278,7 @@ def test_the_run_session_keeps_refused_writes_in_its_folder(tmp_path, monkeypatc
     store = session.uri
     assert history(store, run_id) == []
     monkeypatch.undo()
-    assert drain_all([tmp_path / "r"]) == 6  # reward/mean and memory/peak_rss_mb, 3 steps each
+    assert drain_all([tmp_path / "r"]) == 6  # reward/mean and system/peak_rss_mb, 3 steps each
     assert [s for s, _ in history(store, run_id)] == [1, 2, 3]
     assert MlflowClient(store).get_run(run_id).info.status == "FINISHED"
 
