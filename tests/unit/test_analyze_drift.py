@@ -253,35 +253,6 @@ def test_a_bf16_run_is_compared_in_bf16_by_default_and_threshold_counts_as_drift
             assert (s["zeroed"], s["nonzero"], s["delta_dtype"]) == (st.below[j], st.n_nonzero, st.delta_dtype)
 
 
-def test_cli_drift_writes_table4_histograms_and_plots(tmp_path, capsys):
-    base, center = _states()
-    model_dir = _model_dir(tmp_path, base)
-    es = _run(tmp_path, model_dir, center, "es-run")
-    small = {n: base[n] + (center[n] - base[n]) / 4 for n in base}  # every update a quarter: rel L2 / 4
-    grpo = _run(tmp_path, model_dir, small, "grpo-run", algorithm="grpo")
-    rc = main(  # the reference also listed as a run, and a run twice: each is analysed and tabulated once
-        ["analyze", "drift", str(es.path), str(grpo.path), str(es.path), "--reference", str(grpo.path)]
-        + ["--tau", "1e-6", "1e-4", "--top-k", "3"]
-    )
-    assert rc == 0, capsys.readouterr().err
-    out = es.path / "analysis" / "drift"
-    for f in ("table4.csv", "table4.md", "summary.md", "histogram.csv", "topk.csv", "topk_by_type_layer.csv"):
-        assert (out / f).exists(), f
-    for f in ("histogram.png", "topk_heatmap.png", "compare.png"):
-        assert (out / f).read_bytes()[:4] == b"\x89PNG"
-    rows = (out / "table4.csv").read_text().splitlines()
-    assert rows[0].startswith("run,algorithm,updates,rel_l2_x1e-2,ratio_to_reference,s_tau@1e-06 (%),s_tau@0.0001 (%)")
-    assert len(rows) == 3, rows
-    ref_row, es_row = rows[1].split(","), rows[2].split(",")
-    assert ref_row[:2] == ["grpo-run", "grpo"] and es_row[:2] == ["es-run", "es"]
-    assert float(es_row[4]) == 4.0 and float(ref_row[4]) == 1.0
-    assert float(es_row[5]) == round(100 * 2 / 11, 4) and float(es_row[6]) == round(100 * 4 / 11, 4)
-    d = json.loads((out / "drift.json").read_text())
-    assert d["max_abs"] == E and d["max_count"] == 3 and d["t"] == 5
-    assert sum(int(r.split(",")[2]) for r in (out / "topk_by_type_layer.csv").read_text().splitlines()[1:]) == 3
-    assert (grpo.path / "analysis" / "drift" / "drift.json").exists()  # the reference is analysed in its folder too
-
-
 def test_bad_inputs_exit_2_with_a_clear_message(tmp_path, capsys):
     base, center = _states()
     rd = _run(tmp_path, _model_dir(tmp_path, base), center)
@@ -304,26 +275,6 @@ def test_bad_inputs_exit_2_with_a_clear_message(tmp_path, capsys):
         err = capsys.readouterr().err
         assert words in err, (argv, err)
     assert not (rd.path / "thresholded").exists()
-
-
-def test_analysis_files_reach_the_runs_mlflow_run_or_a_warning(tmp_path, capsys):
-    from mlflow.tracking import MlflowClient
-
-    base, center = _states()
-    rd = _run(tmp_path, _model_dir(tmp_path, base), center)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    run_id = client.create_run(client.create_experiment("x", artifact_location=(tmp_path / "art").as_uri())).info.run_id
-    rd.write_meta(tracking_uri=uri, mlflow_run_id=run_id)
-    analyze_drift([rd.path], taus=TAUS)
-    names = {a.path for a in client.list_artifacts(run_id, "analysis/drift")}
-    assert {"analysis/drift/table4.csv", "analysis/drift/compare.png", "analysis/drift/drift.json"} <= names
-
-    rd.write_meta(tracking_uri=uri, mlflow_run_id="0" * 32)  # a run the store does not hold: warn, keep the files
-    (rd.path / "analysis" / "drift" / "table4.csv").unlink()
-    analyze_drift([rd.path], taus=TAUS)
-    assert "warning: not logged to MLflow run" in capsys.readouterr().err
-    assert (rd.path / "analysis" / "drift" / "table4.csv").exists()
 
 
 def test_table4_row_carries_the_hand_counted_statistics(tmp_path):

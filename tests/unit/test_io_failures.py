@@ -15,7 +15,6 @@ import pytest
 import yaml
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
-from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 from mlflow.tracking import MlflowClient
 from safetensors import SafetensorError
 from toy import toy_config
@@ -23,7 +22,7 @@ from toy import toy_config
 from esbatch import durable
 from esbatch.cli import STORAGE_ADVICE, main
 from esbatch.tasks import DataFileError
-from esbatch.tracking import TrackingStoreError, TrackingWriter
+from esbatch.tracking import TrackingWriter
 from esbatch.tracking import spool as spooling
 from esbatch.tracking.spool import BACKOFF_S
 from esbatch.train.rundir import RunDir
@@ -101,34 +100,6 @@ def test_an_os_error_outside_the_storage_list_is_not_reworded(tmp_path, tiny_mod
 def damage(db, how):
     data = db.read_bytes()
     db.write_bytes(data[: len(data) // 2] if how == "truncated" else bytes(len(data)))  # torn copy / zeroed
-
-
-@pytest.mark.parametrize("how", ["truncated", "zeroed"])
-def test_a_damaged_tracking_store_is_named_before_training_and_a_new_store_resumes_the_run(
-    tmp_path, tiny_model_dir, capsys, how
-):
-    path = config(tmp_path, tiny_model_dir)
-    db = tmp_path / "mlflow.db"
-    MlflowClient(f"sqlite:///{db}").search_experiments()  # a whole store, then damaged
-    damage(db, how)
-    before = db.read_bytes()
-    assert main(["train", str(path), "--no-progress"]) == 1
-    err = capsys.readouterr().err
-    assert f"error: the MLflow store {db} is damaged (" in err and f"mv {db} {db}.damaged" in err, err
-    assert "Traceback" not in err
-    run = tmp_path / "r"
-    meta = json.loads((run / "run.json").read_text())
-    assert meta["status"] == "failed" and f"the MLflow store {db} is damaged" in meta["reason"]
-    assert "mlflow_run_id" not in meta and not (run / "log.jsonl").exists()  # nothing trained, nothing to lose
-    assert db.read_bytes() == before and tmp_files(tmp_path) == []
-    with pytest.raises(TrackingStoreError):
-        main(["--debug", "train", "--resume", str(run), "--no-progress"])
-    os.replace(db, tmp_path / "mlflow.db.damaged")  # what the message says to do, then a new process:
-    SqlAlchemyStore._engine_map.pop(f"sqlite:///{db}").dispose()  # here, MLflow's cached connections go
-    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
-    meta = json.loads((run / "run.json").read_text())
-    assert meta["status"] == "finished"
-    assert MlflowClient(f"sqlite:///{db}").get_run(meta["mlflow_run_id"]).info.status == "FINISHED"
 
 
 def test_a_store_that_refuses_every_try_fails_the_run_before_training(tmp_path, tiny_model_dir, capsys, monkeypatch):

@@ -131,25 +131,6 @@ def test_layouts_that_cannot_work_are_refused_by_validation(tiny_model_dir, es, 
         config_from_dict(d)
 
 
-@pytest.mark.parametrize("master", ["disk", "host"])
-def test_a_run_with_an_offloaded_center_resumes_to_the_device_runs_bits(tmp_path, tiny_model_dir, monkeypatch, master):
-    """bf16 compute dtype, stopped after update 2 and resumed to 5: the fp32 center on disk (or in host memory)
-    ends where an uninterrupted es.master: device run ends, bit for bit."""
-    from test_center_modes import UPDATES, _cfg, _train_stopped_then_resumed
-
-    from esbatch.train import train
-    from esbatch.train.rundir import RunDir
-
-    train(_cfg(tiny_model_dir, tmp_path, "every"), tmp_path / "device", progress=False)
-    ref, t = RunDir(tmp_path / "device").load_center()
-    cfg = _cfg(tiny_model_dir, tmp_path, "every")
-    cfg.es.master = master
-    rd, _ = _train_stopped_then_resumed(monkeypatch, cfg, tmp_path / master)
-    got, t2 = rd.load_center()
-    assert t == t2 == UPDATES and _same(got, ref)
-    assert [r["rewards"] for r in rd.updates()] == [r["rewards"] for r in RunDir(tmp_path / "device").updates()]
-
-
 @pytest.mark.parametrize("master", ["host", "disk"])
 def test_a_vllm_worker_with_an_offloaded_center_matches_the_device_worker(tmp_path, master):
     """The worker extension's rpcs on a fused (vLLM-layout) model, without vLLM: es_setup(..., master) makes an
