@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from esbatch.tasks.base import Example, Task, disjoint_splits
 from esbatch.tasks.verify import Verdict
@@ -55,6 +56,17 @@ def toy_config(model_dir: str | Path, *, heldout: int = 4, gen_batch: int = 8, *
     if es_updates is not None:
         cfg["es"] = {**cfg["es"], "updates": es_updates}
     return {k: v for k, v in cfg.items() if v is not None}
+
+
+_SESSION_TINY: list[Path] = []
+
+
+def session_tiny_model(tmp_path_factory: Any) -> Path:
+    """The test session's tiny model (make_tiny_model's defaults), built once: the ``tiny_model_dir`` fixture, which
+    the fast tier builds before its first test (tests/unit/conftest.py) so that no test's time includes it."""
+    if not _SESSION_TINY:
+        _SESSION_TINY.append(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+    return _SESSION_TINY[0]
 
 
 def make_tiny_model(path: str | Path, seed: int = 0, *, hidden: int = 32, heads: int = 4, kind: str = "llama") -> Path:

@@ -1,7 +1,8 @@
 """Tiny-model runs stopped and resumed in process that must end on an uninterrupted run's center, bit for bit:
 checkpoint.center every | final | none, and the readers of a run's final weights (esbatch eval --checkpoint,
 analyze drift) for each (moved from tests/unit/test_center_modes.py); es.master host | disk (from
-tests/unit/test_offload.py); es.restore: inplace (from tests/unit/test_restore_inplace.py). Each trains several
+tests/unit/test_offload.py); es.restore: inplace (from tests/unit/test_restore_inplace.py); a run folder from before
+es.noise (from tests/unit/test_noise.py). Each trains several
 runs and opens an MLflow store: seconds, so not the fast tier's (issue 40).
 
 The reference is an uninterrupted run with checkpoint.center: every; every other run differs from it only in the
@@ -213,3 +214,43 @@ def test_inplace_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, tiny_
     b.load_center(snap)
     replay(b, rd.updates()[2:4])
     assert all(torch.equal(a_state[n], p) for n, p in b.params.items())
+
+
+def test_a_run_folder_from_before_es_noise_resumes_with_the_legacy_generator(tmp_path, tiny_model_dir):
+    """A legacy run of 3 updates in one go vs 2 updates in a folder whose config.yaml has no es.noise (as every
+    folder written before the key), resumed to 3 through load_run_config: the same center, bit for bit; and
+    `esbatch center --at 3` rebuilds it with the recorded generator."""
+    import yaml
+    from safetensors.torch import load_file
+    from toy import toy_config
+
+    from esbatch.config import config_from_dict, load_run_config
+    from esbatch.es.replay import rebuild_center
+    from esbatch.eval.center import center_at
+    from esbatch.train import train
+    from esbatch.train.rundir import RunDir
+
+    d = toy_config(tiny_model_dir, heldout=0, eval={"every": 0})
+    d["run"] = {**d["run"], "output_dir": str(tmp_path / "runs")}
+    d["es"] = {**d["es"], "sigma": 0.01, "alpha": 0.005, "noise": "legacy-cpu"}
+    train(config_from_dict({**d, "es": {**d["es"], "updates": 3}}), tmp_path / "a", progress=False)
+    a_state, a_t = RunDir(tmp_path / "a").load_center()
+    assert a_t == 3
+
+    train(config_from_dict({**d, "es": {**d["es"], "updates": 2}}), tmp_path / "b", progress=False)
+    rd = RunDir(tmp_path / "b")
+    old = yaml.safe_load(rd.config.read_text())
+    assert old["es"].pop("noise") == "legacy-cpu"  # new runs record their generator ...
+    rd.config.write_text(yaml.safe_dump(old))  # ... old ones did not
+    cfg = load_run_config(rd.path, ["es.updates=3"])
+    assert cfg.es.noise == "legacy-cpu"
+    train(cfg, rd.path, resume=True, progress=False)
+    b_state, b_t = rd.load_center()
+    assert b_t == 3 and all(torch.equal(a_state[n], b_state[n]) for n in a_state)
+
+    rebuilt = load_file(center_at(rd.path, 3, tmp_path / "c3.safetensors"))
+    assert all(torch.equal(a_state[n], rebuilt[n]) for n in a_state)
+    # the check can fail: the same log replayed with the new default generator lands elsewhere
+    new = config_from_dict({**d, "es": {**d["es"], "updates": 3, "noise": "philox-gauss"}})
+    other = rebuild_center(new, rd, 3)
+    assert any(not torch.equal(a_state[n], other[n]) for n in a_state)

@@ -5,7 +5,8 @@ Its rule, enforced here: no test starts a process. Tests that run the CLI, a san
 SmolLM2 load, an engine or a cluster belong in tests/integration, tests/slurm or tests/vllm_cpu. Two helpers
 are shared by the whole session instead, started before any test: the noise kernel (compiled once into the
 user's cache) and the math-verify worker pool (idle workers reused by every math check); MLflow and matplotlib's
-font manager are imported first too (their imports run `uname -p`, and `fc-list` where the font cache is new).
+font manager are imported first too (their imports run `uname -p`, and `fc-list` where the font cache is new),
+and the tiny model of the ``tiny_model_dir`` fixture is built (once per session; else in its first test's time).
 """
 
 from __future__ import annotations
@@ -31,26 +32,28 @@ def pytest_runtestloop(session: pytest.Session) -> None:
     if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
         return
     if any("unit" in item.path.parts for item in session.items):
-        _start_helpers()
+        _start_helpers(session.config._tmp_path_factory)  # pytest's own tmp_path_factory (its tmpdir plugin)
 
 
 @pytest.fixture(scope="session")
-def _session_helpers() -> None:
-    _start_helpers()
+def _session_helpers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    _start_helpers(tmp_path_factory)
 
 
-def _start_helpers() -> None:
+def _start_helpers(tmp_path_factory: pytest.TempPathFactory) -> None:
     if _started:
         return
     _started.append(True)
     import matplotlib.font_manager  # noqa: F401 - on a fresh machine its import runs `fc-list` to build the font cache
     import mlflow.tracking  # noqa: F401 - its import runs `uname -p` once (platform.platform())
+    from toy import session_tiny_model
 
     from esbatch.perturb import cpu_kernel
     from esbatch.tasks import verify_math
 
     cpu_kernel.cpu_simd()  # builds (or finds) the C kernel: `cc --version`, and `cc` once per source
     verify_math.start_workers(verify_math.MAX_IDLE_WORKERS)
+    session_tiny_model(tmp_path_factory)  # the tiny_model_dir fixture's model (seconds: torch, transformers, a save)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,11 +15,12 @@ U = 6  # members 0 .. 5, and the zero member 6
 
 
 def explicit_lowrank(y, x, b, parts, r, member):
+    """Row t gets its own member's term: out[t, c:c+w] += (x[t] @ b[m_t])[k r:(k+1) r] @ at[m_t], each row's factors
+    picked by its member (a gather per row, no grouping)."""
     out = y.clone()
-    for t, m in enumerate(member.tolist()):
-        left = x[t] if b is None else x[t] @ b[m]
-        for c, w, at, k in parts:
-            out[t, c : c + w] += left[k * r : (k + 1) * r] @ at[m]
+    left = x if b is None else torch.einsum("tn,tnq->tq", x, b[member])
+    for c, w, at, k in parts:
+        out[:, c : c + w] += torch.einsum("tr,trw->tw", left[:, k * r : (k + 1) * r], at[member])
     return out
 
 
