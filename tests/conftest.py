@@ -28,11 +28,41 @@ os.environ.setdefault(
 )
 
 
+# Longest work first under pytest-xdist. xdist hands each worker whole scopes (one test, or all the tests of an
+# xdist_group) in the order of its work queue; by default it orders them by their number of tests, so a one-test
+# scope of several minutes could start last and run alone at a phase's end (the vllm phase at 3a38641: one worker
+# busy until 674 s, the other done at 554 s). With --no-loadscope-reorder (scripts/test.sh) the queue keeps the
+# collection order, which this sets: scopes by their recorded seconds (tests/durations.json: scripts/
+# test_durations.py writes it from pytest's --durations lines), longest first; a test it does not know counts 0.
+DURATIONS = ROOT / "tests" / "durations.json"
+
+
+def _scope(item: pytest.Item) -> str:
+    groups = sorted(
+        {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+    )
+    return "@" + "_".join(groups) if groups else item.nodeid.split("@")[0]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("loadscopereorder", default=True) is not False or not DURATIONS.exists():
+        return
+    import json
+
+    seconds = json.loads(DURATIONS.read_text())
+    cost: dict[str, float] = {}
+    for item in items:
+        scope = _scope(item)
+        cost[scope] = cost.get(scope, 0.0) + seconds.get(item.nodeid.split("@")[0], 0.0)
+    items.sort(key=lambda item: -cost[_scope(item)])  # stable: a scope's own tests keep their order
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from toy import make_tiny_model
+    from toy import session_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    return session_tiny_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
