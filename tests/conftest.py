@@ -32,16 +32,19 @@ os.environ.setdefault(
 # xdist_group) in the order of its work queue; by default it orders them by their number of tests, so a one-test
 # scope of several minutes could start last and run alone at a phase's end (the vllm phase at 3a38641: one worker
 # busy until 674 s, the other done at 554 s). With --no-loadscope-reorder (scripts/test.sh) the queue keeps the
-# collection order, which this sets: scopes by their recorded seconds (tests/durations.json: scripts/
-# test_durations.py writes it from pytest's --durations lines), longest first; a test it does not know counts 0.
+# collection order, which this sets: groups, and modules' other tests, by their recorded seconds (tests/
+# durations.json: scripts/test_durations.py writes it from pytest's --durations lines), longest first; a test it
+# does not know counts 0. A module's tests stay together, so a worker that runs several of them in a row builds
+# their module fixtures once.
 DURATIONS = ROOT / "tests" / "durations.json"
 
 
-def _scope(item: pytest.Item) -> str:
+def _block(item: pytest.Item) -> str:
+    """What is ordered as one: an xdist group, or a module's tests outside any group."""
     groups = sorted(
         {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
     )
-    return "@" + "_".join(groups) if groups else item.nodeid.split("@")[0]
+    return "@" + "_".join(groups) if groups else item.nodeid.split("::")[0]
 
 
 @pytest.hookimpl(trylast=True)
@@ -53,9 +56,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     seconds = json.loads(DURATIONS.read_text())
     cost: dict[str, float] = {}
     for item in items:
-        scope = _scope(item)
-        cost[scope] = cost.get(scope, 0.0) + seconds.get(item.nodeid.split("@")[0], 0.0)
-    items.sort(key=lambda item: -cost[_scope(item)])  # stable: a scope's own tests keep their order
+        cost[_block(item)] = cost.get(_block(item), 0.0) + seconds.get(item.nodeid.split("@")[0], 0.0)
+    items.sort(key=lambda item: -cost[_block(item)])  # stable: a block's own tests keep their order
 
 
 @pytest.fixture(scope="session")
