@@ -3,17 +3,20 @@ backend.policy_engine: in_process, and in its own, separate) against HF rollouts
 against model size. fp32, CPU, in the vLLM environment (it has DeepSpeed too):
 
     .venv-vllm/bin/python benchmarks/grpo_step_split.py [--models tiny smollm2] [--steps 2] [--batch 2] [--group 4]
+        [--rounds R]
 
 Per model (the tiny random Llama of tests/toy.py, hidden 128; SmolLM2-135M-Instruct) and backend (vllm, hf), the
 trainer is built as `esbatch train` builds it (GRPOTrainer.setup: DeepSpeed, world size 1, ZeRO 2; the generator
 from BACKENDS.get(backend.name).for_policy) on the quickstart's arithmetic task (0-shot, --batch prompts x --group
-responses, --tokens tokens, temperature 0.7). One untimed step, then --steps steps, each split as the trainer
+responses, --tokens tokens, --temperature 0.7; at 0.01 both backends sample the argmax tokens, nearly always, so
+the train phase does the same work). One untimed step, then --steps steps, each split as the trainer
 logs it: rollout (time/generation_s), weight load into the engine before it (time/weight_sync_s; nothing to load
 for hf, which generates from the trained module) and training (time/train_s: forward/backward and the optimizer
 step); medians. "setup" is GRPOTrainer.setup (with vllm: the engine start and first load). Last, the weight load
 alone (VLLMPolicy.load_policy of every tensor: cast, handed over as tensors in process or packed into the RPC,
 copied into the engine's views, prefix cache reset, sampled coordinates checked), median of 5, per model size,
-in GB/s (2^30 bytes). Each (model, backend) runs in a process of its own; the tables come last.
+in GB/s (2^30 bytes). Each (model, backend) runs in a process of its own (--rounds R: R processes each, in turn,
+their steps pooled; the step ratio gets a 95% bootstrap interval over the steps); the tables come last.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def trainer(model: str, backend: str, args: argparse.Namespace) -> Any:
         "task.few_shot": 0,
         "tracking.drift": "false",
         "generation.max_new_tokens": args.tokens,
+        "generation.temperature": args.temperature,
         "grpo.group_size": args.group,
         "grpo.batch_size": args.batch,
         "grpo.updates": 100,
@@ -92,7 +96,37 @@ def step_parts(tr: Any, steps: int) -> dict[str, float]:
         parts["rollout"].append(m["time/generation_s"])
         parts["load"].append(m["time/weight_sync_s"])
         parts["train"].append(m["time/train_s"])
-    return {k: statistics.median(v) for k, v in parts.items()}
+    return {**{k: statistics.median(v) for k, v in parts.items()}, "per_step": parts}
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One (model, backend)'s processes (--rounds of them) as one: medians over all their timed steps."""
+    steps = {k: [x for r in runs for x in r["per_step"][k]] for k in ("rollout", "load", "train", "wall")}
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in steps.items()}
+    out["per_step"] = steps
+    for k in ("setup_s", "mb", "load_only"):
+        if k in runs[0]:
+            out[k] = statistics.median(r[k] for r in runs)
+    return out
+
+
+def ratio_interval(a: dict[str, Any], b: dict[str, Any], n: int = 2000) -> tuple[float, float]:
+    """95% bootstrap interval of median step (rollout + load + train) of ``a`` over ``b``'s: each side's timed
+    steps resampled with replacement (seed 0). Steps of one process are not independent (the same engine, the same
+    memory layout): --rounds > 1 spreads them over processes."""
+    import random
+
+    rng = random.Random(0)
+
+    def steps(r: dict[str, Any]) -> list[float]:
+        p = r["per_step"]
+        return [x + y + z for x, y, z in zip(p["rollout"], p["load"], p["train"])]
+
+    sa, sb = steps(a), steps(b)
+    ratios = sorted(
+        statistics.median(rng.choices(sa, k=len(sa))) / statistics.median(rng.choices(sb, k=len(sb))) for _ in range(n)
+    )
+    return ratios[int(0.025 * n)], ratios[int(0.975 * n) - 1]
 
 
 def split(model: str, backend: str, args: argparse.Namespace) -> dict[str, float]:
@@ -126,26 +160,33 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2, help="grpo.batch_size B (prompts per step)")
     ap.add_argument("--group", type=int, default=4, help="grpo.group_size G")
     ap.add_argument("--tokens", type=int, default=16, help="generation.max_new_tokens")
+    ap.add_argument("--temperature", type=float, default=0.7, help="generation.temperature (> 0: G samples per prompt)")
     ap.add_argument("--threads", type=int, default=2, help="run.threads (torch threads of the trainer)")
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="processes per (model, backend), run in turn (vllm, hf, vllm, hf, ...)"
+    )
     args = ap.parse_args()
 
     import json
     import subprocess
 
-    res: dict[tuple[str, str], dict[str, float]] = {}
-    if len(args.models) * len(args.backends) > 1:  # each in a process of its own: an engine in the trainer's
-        # process binds its threads (vLLM's CPU worker), which would slow whatever the process measured next
+    res: dict[tuple[str, str], dict[str, Any]] = {}
+    if len(args.models) * len(args.backends) * args.rounds > 1:  # each in a process of its own: an engine in the
+        # trainer's process binds its threads (vLLM's CPU worker), which would slow whatever the process measured next
+        runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
         with tempfile.TemporaryDirectory() as tmp:
-            for name in args.models:
-                for backend in args.backends:
-                    out = Path(tmp) / "one.json"
-                    cmd = [sys.executable, __file__, "--models", name, "--backends", backend, "--json", str(out)]
-                    for flag in ("device", "dtype", "steps", "batch", "group", "tokens", "threads"):
-                        cmd += [f"--{flag}", str(getattr(args, flag))]
-                    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-                    (r,) = json.loads(out.read_text())
-                    res[name, backend] = {k: v for k, v in r.items() if k not in ("model", "backend")}
+            for _ in range(args.rounds):
+                for name in args.models:
+                    for backend in args.backends:
+                        out = Path(tmp) / "one.json"
+                        cmd = [sys.executable, __file__, "--models", name, "--backends", backend, "--json", str(out)]
+                        for flag in ("device", "dtype", "steps", "batch", "group", "tokens", "temperature", "threads"):
+                            cmd += [f"--{flag}", str(getattr(args, flag))]
+                        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                        (r,) = json.loads(out.read_text())
+                        runs.setdefault((name, backend), []).append(r)
+        res = {k: pooled(v) for k, v in runs.items()}
     else:
         import torch
 
@@ -157,19 +198,23 @@ def main() -> None:
             res[name, backend] = split(model_dir(name, tmp), backend, args)
         torch.distributed.destroy_process_group()
     for (name, backend), r in res.items():
-        print(f"  {name} {backend}: {r}", file=sys.stderr, flush=True)
+        print(f"  {name} {backend}: { {k: v for k, v in r.items() if k != 'per_step'} }", file=sys.stderr, flush=True)
 
     if args.json:
         Path(args.json).write_text(json.dumps([{"model": n, "backend": b, **r} for (n, b), r in res.items()]))
-    shape = f"B={args.batch} x G={args.group}, {args.tokens} tokens, {args.dtype}, {args.threads} threads"
-    print(f"\nGRPO step split (s, median of {args.steps} steps; {shape})")
-    print(f"{'model':<9}{'rollouts':<14}{'rollout':>9}{'load':>8}{'train':>8}{'step':>8}{'/ hf':>7}{'setup':>8}")
+    shape = f"B={args.batch} x G={args.group}, {args.tokens} tokens at T={args.temperature}, {args.dtype}, "
+    shape += f"{args.threads} threads"
+    steps = f"{args.steps} steps" + (f" in each of {args.rounds} processes" if args.rounds > 1 else "")
+    print(f"\nGRPO step split (s, median of {steps}; {shape})")
+    head = f"{'model':<9}{'rollouts':<14}{'rollout':>9}{'load':>8}{'train':>8}{'step':>8}{'/ hf':>7}"
+    print(head + f"  {'95% CI':<14}{'setup':>6}")
     for (name, backend), r in res.items():
         step = r["rollout"] + r["load"] + r["train"]
         hf = res.get((name, "hf"))
         ratio = step / (hf["rollout"] + hf["load"] + hf["train"]) if hf else float("nan")
+        ci = "{:.2f}-{:.2f}".format(*ratio_interval(r, hf)) if hf and backend != "hf" and "per_step" in r else ""
         row = f"{name:<9}{backend:<14}{r['rollout']:>9.3f}{r['load']:>8.3f}{r['train']:>8.3f}{step:>8.3f}{ratio:>7.2f}"
-        print(row + f"{r['setup_s']:>8.1f}")
+        print(row + f"  {ci:<14}{r['setup_s']:>6.1f}")
     print("\nweight load into the vLLM engine (all tensors, median of 5)")
     print(f"{'model':<9}{'engine':<14}{'MB':>9}{'load s':>9}{'GB/s':>8}")
     for (name, backend), r in res.items():
