@@ -31,6 +31,8 @@ def pytest_runtestloop(session: pytest.Session) -> None:
     unit cases over 1 s); not in pytest-xdist's controller, which runs no test."""
     if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
         return
+    if session.config.option.collectonly:  # --collect-only runs no test
+        return
     if any("unit" in item.path.parts for item in session.items):
         _start_helpers(session.config._tmp_path_factory)  # pytest's own tmp_path_factory (its tmpdir plugin)
 
