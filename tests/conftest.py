@@ -54,10 +54,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     import json
 
     seconds = json.loads(DURATIONS.read_text())
+    block = {item.nodeid: _block(item) for item in items}
     cost: dict[str, float] = {}
     for item in items:
-        cost[_block(item)] = cost.get(_block(item), 0.0) + seconds.get(item.nodeid.split("@")[0], 0.0)
-    items.sort(key=lambda item: -cost[_block(item)])  # stable: a block's own tests keep their order
+        cost[block[item.nodeid]] = cost.get(block[item.nodeid], 0.0) + seconds.get(item.nodeid.split("@")[0], 0.0)
+    items.sort(key=lambda item: -cost[block[item.nodeid]])  # stable: a block's own tests keep their order
 
 
 @pytest.fixture(scope="session")

@@ -206,6 +206,13 @@ class GatedDigitTask(DigitTask):
         return super().score(response, ex)
 
 
+def run_page_sections(metric_keys: Any) -> list[str]:
+    """The chart sections of a run's page in MLflow 3's UI, in order: one per metric-name prefix (the part before
+    the last ``/``), sorted by name (RunsChartsCardConfig.getBaseChartAndSectionConfigs); ``system/`` goes to its
+    own tab and names without a prefix to a last section, so neither is listed."""
+    return sorted({k.rsplit("/", 1)[0] for k in metric_keys if "/" in k} - {"system"})
+
+
 def tracking_idle(limit_s: float = 300) -> None:
     """Until this process's tracking writers (esbatch/tracking/writer.py) have sent everything logged so far (a
     safety limit only): a run waiting at a gate then writes nothing more while it waits (its main thread is held,
