@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from esbatch import deadlines as watchdog
+from esbatch.backends import mempolicy
 from esbatch.backends import weight_transfer as wt
 from esbatch.backends.config import ESSetup, resolve_weight_transfer
 from esbatch.backends.vllm import VLLMBackend
@@ -99,7 +100,8 @@ class VLLMPolicy(VLLMBackend):
     def _start_engines(self, vllm: Any, envs: list[dict[str, str]], options: dict[str, Any]) -> None:
         """In process under several ranks: vLLM's external_launcher, which takes the ranks' process group as its
         world instead of starting its own (each rank's engine generates on its own, tensor-parallel size 1).
-        With weight_transfer ipc, the worker builds vLLM's IPC weight-transfer engine."""
+        With weight_transfer ipc, the worker builds vLLM's IPC weight-transfer engine. In process, this thread keeps
+        its NUMA memory policy (esbatch/backends/mempolicy.py)."""
         import torch.distributed as dist
 
         if self.weight_transfer == "ipc":
@@ -107,7 +109,10 @@ class VLLMPolicy(VLLMBackend):
 
         if self.in_process and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             options = {**options, "distributed_executor_backend": "external_launcher"}
-        super()._start_engines(vllm, envs, options)
+        if not self.in_process:
+            return super()._start_engines(vllm, envs, options)
+        with mempolicy.kept():  # vLLM's CPU worker binds this thread's memory to one node (mempolicy.py)
+            super()._start_engines(vllm, envs, options)
 
     @classmethod
     def for_policy(cls, module: Any, tokenizer: Any, setup: ESSetup) -> VLLMPolicy:

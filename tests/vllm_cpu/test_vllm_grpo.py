@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 from toy import run_esbatch
 from toy_vllm import train
 
+from esbatch.backends import mempolicy
 from esbatch.backends.base import SamplingParams
 from esbatch.backends.config import BackendConfig, ESSetup
 from esbatch.models import ModelConfig, checksum, load_model_and_tokenizer, load_weights
@@ -38,6 +39,7 @@ from esbatch.models import ModelConfig, checksum, load_model_and_tokenizer, load
 pytestmark = pytest.mark.xdist_group("vllm-grpo")  # one worker starts the module's engine
 
 GREEDY = SamplingParams(0.0, 1.0, 12)
+START: dict = {}  # the trainer thread's NUMA memory policy around the engine's start (the policy fixture)
 ARGMAX = {"temperature": 1.0, "top_p": 1e-6, "max_new_tokens": 8, "batch_size": 16}  # what (b) and (c) decode with
 
 
@@ -55,9 +57,26 @@ def policy(vllm_tiny):
         track_drift=False,
         seed=3,
     )
-    gen = BACKENDS.get("vllm").for_policy(model, tok, setup)
+    real_apply = mempolicy.apply
+    START["before"] = mempolicy.current()
+    with pytest.MonkeyPatch.context() as mp:  # what mempolicy.kept() restores after the engine starts
+        mp.setattr(mempolicy, "apply", lambda p: (START.setdefault("applied", []).append(p), real_apply(p))[1])
+        gen = BACKENDS.get("vllm").for_policy(model, tok, setup)
+    START["after"] = mempolicy.current()
     yield model, tok, gen
     gen.close()
+
+
+def test_the_engine_in_process_leaves_the_trainers_memory_policy_as_it_was(policy):
+    """vLLM's CPU worker binds the memory of the thread that builds it to one NUMA node (MPOL_BIND, strict); in
+    process that is the trainer's main thread, whose memory would stay confined to one node (mempolicy.py). The
+    engine's start restores the thread's policy: vLLM did bind it (mempolicy.kept had something to restore), and
+    after the start it is what it was before."""
+    assert START["before"] is not None, "get_mempolicy is not available on this machine"
+    assert START.get("applied") == [START["before"]], (
+        f"vLLM's CPU worker did not change the policy ({mempolicy.describe(START['before'])}): nothing restored"
+    )
+    assert START["after"] == START["before"], mempolicy.describe(START["after"])
 
 
 def token_ids(gens) -> list[list[int]]:
