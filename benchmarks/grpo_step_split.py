@@ -17,11 +17,18 @@ alone (VLLMPolicy.load_policy of every tensor: cast, handed over as tensors in p
 copied into the engine's views, prefix cache reset, sampled coordinates checked), median of 5, per model size,
 in GB/s (2^30 bytes). Each (model, backend) runs in a process of its own (--rounds R: R processes each, in turn,
 their steps pooled; the step ratio gets a 95% bootstrap interval over the steps); the tables come last.
+
+--malloc tcmalloc runs the measured processes with tcmalloc LD_PRELOADed (Debian's libtcmalloc-minimal4). glibc hands
+every freed block over 32 MB back to the kernel, so each training step faults its activations in again (3.2M page
+faults per step at B=8 x G=8); on a VM that reports free pages to its host (this one: page_reporting) a fault's cost
+varies with the process's footprint, and the larger process, the one beside an engine, paid more. tcmalloc keeps
+the freed memory (a higher RSS) and after its first steps faults almost never.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -150,6 +157,21 @@ def split(model: str, backend: str, args: argparse.Namespace) -> dict[str, float
     return out
 
 
+TCMALLOC = ["/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4"]
+
+
+def preload(malloc: str) -> None:
+    """--malloc tcmalloc: run this process again (same pid, same arguments) with tcmalloc LD_PRELOADed, unless it
+    already is; its subprocesses inherit it. Debian's libtcmalloc-minimal4 (apt-get install libtcmalloc-minimal4)."""
+    if malloc == "glibc" or "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
+        return
+    lib = next((p for p in TCMALLOC if Path(p).exists()), None)
+    if lib is None:
+        sys.exit(f"--malloc tcmalloc: none of {', '.join(TCMALLOC)} exists; apt-get install libtcmalloc-minimal4")
+    env = {**os.environ, "LD_PRELOAD": ":".join(filter(None, [lib, os.environ.get("LD_PRELOAD")]))}
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["tiny", "smollm2"], help="tiny, smollm2, or a model alias/dir")
@@ -166,7 +188,14 @@ def main() -> None:
     ap.add_argument(
         "--rounds", type=int, default=1, help="processes per (model, backend), run in turn (vllm, hf, vllm, hf, ...)"
     )
+    ap.add_argument(
+        "--malloc",
+        choices=["glibc", "tcmalloc"],
+        default="glibc",
+        help="the measured processes' allocator: glibc (esbatch's default) or tcmalloc, LD_PRELOADed (docstring)",
+    )
     args = ap.parse_args()
+    preload(args.malloc)
 
     import json
     import subprocess
@@ -183,6 +212,7 @@ def main() -> None:
                         cmd = [sys.executable, __file__, "--models", name, "--backends", backend, "--json", str(out)]
                         for flag in ("device", "dtype", "steps", "batch", "group", "tokens", "temperature", "threads"):
                             cmd += [f"--{flag}", str(getattr(args, flag))]
+                        cmd += ["--malloc", args.malloc]
                         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
                         (r,) = json.loads(out.read_text())
                         runs.setdefault((name, backend), []).append(r)
@@ -203,7 +233,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps([{"model": n, "backend": b, **r} for (n, b), r in res.items()]))
     shape = f"B={args.batch} x G={args.group}, {args.tokens} tokens at T={args.temperature}, {args.dtype}, "
-    shape += f"{args.threads} threads"
+    shape += f"{args.threads} threads, malloc {args.malloc}"
     steps = f"{args.steps} steps" + (f" in each of {args.rounds} processes" if args.rounds > 1 else "")
     print(f"\nGRPO step split (s, median of {steps}; {shape})")
     head = f"{'model':<9}{'rollouts':<14}{'rollout':>9}{'load':>8}{'train':>8}{'step':>8}{'/ hf':>7}"
