@@ -271,6 +271,9 @@ def test_the_run_session_keeps_refused_writes_in_its_folder(tmp_path, monkeypatc
         Outage(monkeypatch, session.tracker.tracker.client)
         for t in range(3):
             session.record_update({"t": t, "metrics": {"reward/mean": t / 10}})
+    # the end stopped waiting at once; the writer thread's try in flight then (if any) fails against the store
+    # still down, and the thread returns: joined here, it cannot send behind the drain below once the store is up
+    session.tracker._thread.join()
     assert session.rd.read_meta()["status"] == "finished" and len(session.rd.updates()) == 3
     assert "`esbatch aggregate` (or a resume) sends them" in capsys.readouterr().err
     recs = spooled(tmp_path / "r")
