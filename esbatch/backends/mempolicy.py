@@ -18,10 +18,12 @@ import contextlib
 import ctypes
 import os
 import platform
+import sys
 from collections.abc import Iterator
 
 # (get_mempolicy, set_mempolicy) system call numbers per machine (the kernel's syscall tables)
 SYSCALLS = {"x86_64": (239, 238), "aarch64": (236, 237), "ppc64le": (260, 261), "s390x": (269, 270)}
+WORD_BITS = 8 * ctypes.sizeof(ctypes.c_ulong)
 MASK_BITS = 4096  # at least the kernel's possible node count (nr_node_ids), or get_mempolicy fails with EINVAL
 MODES = {
     0: "default",
@@ -43,18 +45,20 @@ def _calls() -> tuple[ctypes.CDLL, int, int] | None:
     return ctypes.CDLL(None, use_errno=True), *nums
 
 
+def _mask() -> ctypes.Array:
+    return (ctypes.c_ulong * (MASK_BITS // WORD_BITS))()
+
+
 def current() -> Policy | None:
     """The calling thread's memory policy: (mode, nodes), or None where it cannot be read here."""
     calls = _calls()
     if calls is None:
         return None
     libc, get_nr, _ = calls
-    mode = ctypes.c_int(0)
-    mask = (ctypes.c_ulong * (MASK_BITS // (8 * ctypes.sizeof(ctypes.c_ulong))))()
+    mode, mask = ctypes.c_int(0), _mask()
     if libc.syscall(get_nr, ctypes.byref(mode), mask, MASK_BITS, None, 0) != 0:
         raise OSError(ctypes.get_errno(), f"get_mempolicy: {os.strerror(ctypes.get_errno())}")
-    bits = 8 * ctypes.sizeof(ctypes.c_ulong)
-    nodes = tuple(i for i in range(MASK_BITS) if mask[i // bits] >> (i % bits) & 1)
+    nodes = tuple(i for i in range(MASK_BITS) if mask[i // WORD_BITS] >> (i % WORD_BITS) & 1)
     return mode.value, nodes
 
 
@@ -68,10 +72,9 @@ def apply(policy: Policy) -> None:
     if not nodes:  # default and local take no nodes
         rc = libc.syscall(set_nr, mode, None, 0)
     else:
-        bits = 8 * ctypes.sizeof(ctypes.c_ulong)
-        mask = (ctypes.c_ulong * (MASK_BITS // bits))()
+        mask = _mask()
         for n in nodes:
-            mask[n // bits] |= 1 << (n % bits)
+            mask[n // WORD_BITS] |= 1 << (n % WORD_BITS)
         rc = libc.syscall(set_nr, mode, mask, MASK_BITS + 1)  # maxnode counts one past the last bit (libnuma's use)
     if rc != 0:
         err = ctypes.get_errno()
@@ -89,10 +92,19 @@ def describe(policy: Policy | None) -> str:
 
 @contextlib.contextmanager
 def kept() -> Iterator[None]:
-    """Run the block, then give the calling thread back the memory policy it had before it (module docstring)."""
-    before = current()
+    """Run the block, then give the calling thread back the memory policy it had before it (module docstring).
+    Where the policy cannot be read or set (a container whose seccomp profile refuses the calls without
+    CAP_SYS_NICE: EPERM), the block runs all the same and stderr says what was left as is."""
+    try:
+        before = current()
+    except OSError as e:
+        print(f"note: the NUMA memory policy is left as the vLLM engine sets it ({e})", file=sys.stderr)
+        before = None
     try:
         yield
     finally:
-        if before is not None and current() != before:
-            apply(before)
+        try:
+            if before is not None and current() != before:
+                apply(before)
+        except OSError as e:
+            print(f"note: the NUMA memory policy could not be restored to {describe(before)} ({e})", file=sys.stderr)

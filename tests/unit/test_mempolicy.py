@@ -104,3 +104,17 @@ def test_elsewhere_the_policy_is_left_as_is(monkeypatch):
         pass
     with pytest.raises(OSError, match="not available on Linux riscv64"):
         mempolicy.apply(BIND0)
+
+
+def test_a_policy_that_cannot_be_read_leaves_the_block_running(monkeypatch, capsys):
+    """Docker's default seccomp profile refuses get_mempolicy without CAP_SYS_NICE (EPERM): the engine still starts."""
+
+    def refused():
+        raise OSError(1, "get_mempolicy: Operation not permitted")
+
+    monkeypatch.setattr(mempolicy, "current", refused)
+    ran = []
+    with mempolicy.kept():
+        ran.append(True)
+    assert ran == [True]
+    assert "left as the vLLM engine sets it (" in capsys.readouterr().err
