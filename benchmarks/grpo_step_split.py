@@ -18,11 +18,12 @@ copied into the engine's views, prefix cache reset, sampled coordinates checked)
 in GB/s (2^30 bytes). Each (model, backend) runs in a process of its own (--rounds R: R processes each, in turn,
 their steps pooled; the step ratio gets a 95% bootstrap interval over the steps); the tables come last.
 
---malloc tcmalloc runs the measured processes with tcmalloc LD_PRELOADed (Debian's libtcmalloc-minimal4). glibc hands
-every freed block over 32 MB back to the kernel, so each training step faults its activations in again (3.2M page
-faults per step at B=8 x G=8); on a VM that reports free pages to its host (this one: page_reporting) a fault's cost
-varies with the process's footprint, and the larger process, the one beside an engine, paid more. tcmalloc keeps
-the freed memory (a higher RSS) and after its first steps faults almost never.
+--malloc picks the measured processes' allocator. keep (the default, as `esbatch train` runs on CPU:
+run.keep_freed_memory, esbatch/train/memory.py): glibc keeps freed blocks under 1 GiB in the process. glibc (its
+defaults, run.keep_freed_memory: false): every freed block over 32 MB goes back to the kernel, so each training step
+faults its activations in again (3.2M page faults per step at B=8 x G=8); on a VM that reports free pages to its host
+(this one: page_reporting) a fault's cost varies with the process's footprint, and the larger process, the one beside
+an engine, paid more. tcmalloc: LD_PRELOADed (Debian's libtcmalloc-minimal4), which keeps freed memory too.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ TCMALLOC = ["/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarc
 def preload(malloc: str) -> None:
     """--malloc tcmalloc: run this process again (same pid, same arguments) with tcmalloc LD_PRELOADed, unless it
     already is; its subprocesses inherit it. Debian's libtcmalloc-minimal4 (apt-get install libtcmalloc-minimal4)."""
-    if malloc == "glibc" or "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
+    if malloc != "tcmalloc" or "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
         return
     lib = next((p for p in TCMALLOC if Path(p).exists()), None)
     if lib is None:
@@ -190,9 +191,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--malloc",
-        choices=["glibc", "tcmalloc"],
-        default="glibc",
-        help="the measured processes' allocator: glibc (esbatch's default) or tcmalloc, LD_PRELOADed (docstring)",
+        choices=["keep", "glibc", "tcmalloc"],
+        default="keep",
+        help="the measured processes' allocator: keep (esbatch's default on CPU), glibc's defaults, or tcmalloc "
+        "LD_PRELOADed (docstring)",
     )
     args = ap.parse_args()
     preload(args.malloc)
@@ -221,6 +223,12 @@ def main() -> None:
         import torch
 
         from esbatch.grpo.trainer import init_distributed
+
+        if args.malloc == "keep" and args.device == "cpu":  # as esbatch train does (RunSession)
+            from esbatch.train.memory import keep_freed_memory
+
+            if refused := keep_freed_memory():
+                print(f"--malloc keep: {refused}", file=sys.stderr)
 
         init_distributed(args.device)
         with tempfile.TemporaryDirectory() as tmp:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from esbatch import durable
+from esbatch.models import resolve_device
 from esbatch.tracking import (
     MLflowTracker,
     NullTracker,
@@ -40,6 +41,7 @@ from esbatch.tracking import (
 from esbatch.train import fingerprint, stop
 from esbatch.train.config import Algorithm, RunTarget, TrainConfig
 from esbatch.train.lock import writer_lock
+from esbatch.train.memory import keep_freed_memory
 from esbatch.train.ranks import Ranks, collective_timeout_min, init_ranks
 from esbatch.train.rundir import RunDir
 from esbatch.train.taskeval import TaskEvals
@@ -216,6 +218,11 @@ class RunSession:
             import torch
 
             torch.set_num_threads(self.cfg.run.threads)
+        device = self.cfg.model.device
+        if self.cfg.run.keep_freed_memory and device in ("cpu", "auto") and resolve_device(device) == "cpu":
+            refused = keep_freed_memory()
+            if refused and self.lead:
+                print(f"note: run.keep_freed_memory: {refused}", file=sys.stderr)
 
     def start(self, total: int, **meta: Any) -> str | None:
         """Open (or reopen) the MLflow run and mark the run running with its budget."""

@@ -21,6 +21,7 @@ from esbatch.tasks import TASKS
 RESUMABLE = (
     "run.hang_timeout_s",
     "run.threads",
+    "run.keep_freed_memory",  # where memory comes from, never a value
     "reward.max_score_errors",  # when to stop, never what an update computes
     "backend.engines",  # how many vLLM engines share the population does not change the result
     "eval.every",
@@ -48,6 +49,12 @@ class RunConfig:
         "esbatch-runs", "Folder holding run directories (config, checkpoints, logs).", check=output_folder
     )
     threads: int = setting(0, "torch CPU threads (0 = leave torch's default).", ge=0)
+    keep_freed_memory: bool = setting(
+        True,
+        "On CPU (model.device resolves to cpu): glibc keeps freed blocks under 1 GiB in the process rather than "
+        "unmapping them, so a step does not fault its activations in again; the process keeps its peak memory "
+        "(esbatch/train/memory.py). Changes no result.",
+    )
     nproc_per_node: int = setting(
         1,
         "Processes on this node; torchrun is started for > 1. ES: the population is split over them (only "
