@@ -364,3 +364,120 @@ def write_spec(tmp_path, extra):
     }
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
     return tmp_path / "s.yaml"
+
+
+# ----------------------------------------------------------------------------- the sweep folder's own readers
+
+
+def _logged(rd, rewards, evals):
+    for t, r in enumerate(rewards):
+        rd.append_update({"t": t, "metrics": {"reward/mean": r}})
+    for t, h in evals:
+        rd.append_eval({"t": t, "heldout/accuracy": h})
+
+
+@pytest.mark.parametrize(
+    ("meta", "rewards", "evals", "want"),
+    [
+        ({"last_reward": 0.7, "last_heldout": 0.4}, [0.1], [(0, 0.2)], (0.7, 0.4)),  # run.json wins over the logs
+        ({"last_reward": 0.7}, [0.1], [(0, 0.2)], (0.7, None)),  # kept, with no held-out yet: not the logs'
+        ({"last_reward": None}, [0.1], [(0, 0.2)], (None, None)),  # kept as unknown (nothing logged yet)
+        ({}, [0.1, 0.2, 0.3], [(1, 0.25), (2, 0.5), (0, 0.1)], (0.3, 0.5)),  # the last update, the newest t
+        ({}, [0.1, 0.2], [], (0.2, None)),
+        ({}, [], [(0, 0.25)], (None, 0.25)),  # no log.jsonl at all
+    ],
+)
+def test_kept_scores_read_run_json_first_else_the_logs(tmp_path, meta, rewards, evals, want):
+    from esbatch.launch.state import kept_scores
+
+    rd = _folder(tmp_path / "r", meta)
+    _logged(rd, rewards, evals)
+    assert kept_scores(rd, meta) == want
+
+
+@pytest.mark.parametrize(
+    ("stage2", "want"),
+    [
+        ({"last_reward": 0.6, "last_heldout": 0.55}, (0.6, 0.55)),
+        ({"last_reward": 0.6, "last_heldout": None}, (0.6, 0.4)),  # each score from the newest stage that has it
+        ({"last_reward": None}, (0.3, 0.4)),
+        ("damaged", (0.3, 0.4)),  # passed over, and the older stages still read
+    ],
+)
+def test_kept_scores_of_a_pipeline_come_from_its_newest_stage_with_each(tmp_path, stage2, want):
+    from esbatch.launch.state import kept_scores
+    from esbatch.train.rundir import RunDir
+
+    pipe = _folder(tmp_path / "p", {"status": "running"})
+    _folder(pipe.stage(1, "es").path, {"last_reward": 0.2, "last_heldout": 0.1})
+    _folder(pipe.stage(2, "grpo").path, {"last_reward": 0.3, "last_heldout": 0.4})
+    st = RunDir(pipe.stage(3, "grpo").path)
+    _folder(st.path, {})
+    if stage2 == "damaged":
+        st.meta.write_text("{not json")
+    else:
+        st.meta.write_text(json.dumps(stage2))
+    _logged(pipe, [0.9], [(0, 0.9)])  # a pipeline's own logs are not its scores
+    assert kept_scores(pipe, {"status": "running"}) == want
+
+
+def test_folder_problem_names_what_a_folder_holds_without_its_config(tmp_path):
+    from esbatch.launch.state import folder_problem
+    from esbatch.train.rundir import RunDir
+
+    rd = RunDir(tmp_path / "r")
+    assert folder_problem(rd) is None  # not there yet
+    rd.path.mkdir()
+    for name in (".lock", "task.log"):  # what a task writes before config.yaml: still starting
+        (rd.path / name).write_text("")
+    assert folder_problem(rd) is None
+    for name in ("e.txt", "b.txt", "d.txt", "a.txt", "c.txt"):
+        (rd.path / name).write_text("")
+    assert folder_problem(rd) == (
+        f"{rd.path}: holds a.txt, b.txt, c.txt, d.txt but no config.yaml: restore it from a backup, or move the "
+        "folder aside to train the run again"
+    )
+    other = tmp_path / "f"
+    other.write_text("")
+    assert folder_problem(RunDir(other)) == (
+        f"{other}: not a folder. Move it aside; the next `esbatch sweep` trains the run again"
+    )
+
+
+def test_folder_problem_is_resumes_verdict_except_for_a_pipeline(tmp_path):
+    from esbatch.launch.state import folder_problem
+
+    rd = _folder(tmp_path / "r", {"status": "running"})
+    _logged(rd, [0.1, 0.2], [])
+    assert folder_problem(rd) is None
+    rd.log.write_text(json.dumps({"t": 1, "metrics": {}}) + "\n")  # update 0 gone
+    assert folder_problem(rd) == f"{rd.log}: line 1 is update 1, expected 0: lines are missing or out of order. " + (
+        "Restore the file from a backup; resume will not guess which updates were applied."
+    )
+    rd.meta.write_text(json.dumps({"algorithm": "pipeline"}))  # its stages are checked as they resume
+    assert folder_problem(rd) is None
+
+
+def test_unplanned_lists_run_folders_the_plan_no_longer_holds_sorted(tmp_path):
+    from esbatch.launch.state import SweepDir
+
+    sd = SweepDir(tmp_path / "s")
+    assert sd.unplanned() == []  # no runs folder yet
+    for key in ("zeta", "alpha", "kept", "mid"):
+        (sd.runs / key).mkdir(parents=True)
+    (sd.runs / "a-file").write_text("")  # not a folder: not a run
+    assert sd.unplanned() == ["alpha", "kept", "mid", "zeta"]  # before any sweep.json: none is planned
+    with sd.locked() as m:
+        m["runs"] = [{"key": "kept"}, {"key": "gone"}]
+    assert sd.unplanned() == ["alpha", "mid", "zeta"]
+
+
+def test_an_eval_writes_under_evals_and_its_task_log_there(tmp_path):
+    from esbatch.launch.evals import RUN_PREFIX
+    from esbatch.launch.state import SweepDir
+
+    sd = SweepDir(tmp_path / "s")
+    key = f"{RUN_PREFIX}x"
+    assert sd.eval_dir(key) == tmp_path / "s" / "evals" / key
+    assert sd.task_log(key) == tmp_path / "s" / "evals" / key / "task.log"
+    assert sd.task_log("run1") == tmp_path / "s" / "runs" / "run1" / "task.log"
