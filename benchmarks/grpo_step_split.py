@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -112,7 +113,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     steps = {k: [x for r in runs for x in r["per_step"][k]] for k in ("rollout", "load", "train", "wall")}
     out: dict[str, Any] = {k: statistics.median(v) for k, v in steps.items()}
     out["per_step"] = steps
-    for k in ("setup_s", "mb", "load_only"):
+    for k in ("setup_s", "mb", "load_only", "rss_gb"):
         if k in runs[0]:
             out[k] = statistics.median(r[k] for r in runs)
     return out
@@ -155,6 +156,7 @@ def split(model: str, backend: str, args: argparse.Namespace) -> dict[str, float
             out["load_only"] = statistics.median(times)
     finally:
         tr.close()
+    out["rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's peak
     return out
 
 
@@ -245,14 +247,14 @@ def main() -> None:
     steps = f"{args.steps} steps" + (f" in each of {args.rounds} processes" if args.rounds > 1 else "")
     print(f"\nGRPO step split (s, median of {steps}; {shape})")
     head = f"{'model':<9}{'rollouts':<14}{'rollout':>9}{'load':>8}{'train':>8}{'step':>8}{'/ hf':>7}"
-    print(head + f"  {'95% CI':<14}{'setup':>6}")
+    print(head + f"  {'95% CI':<14}{'setup':>6}{'peak GB':>8}")
     for (name, backend), r in res.items():
         step = r["rollout"] + r["load"] + r["train"]
         hf = res.get((name, "hf"))
         ratio = step / (hf["rollout"] + hf["load"] + hf["train"]) if hf else float("nan")
         ci = "{:.2f}-{:.2f}".format(*ratio_interval(r, hf)) if hf and backend != "hf" and "per_step" in r else ""
         row = f"{name:<9}{backend:<14}{r['rollout']:>9.3f}{r['load']:>8.3f}{r['train']:>8.3f}{step:>8.3f}{ratio:>7.2f}"
-        print(row + f"  {ci:<14}{r['setup_s']:>6.1f}")
+        print(row + f"  {ci:<14}{r['setup_s']:>6.1f}{r['rss_gb']:>8.1f}")
     print("\nweight load into the vLLM engine (all tensors, median of 5)")
     print(f"{'model':<9}{'engine':<14}{'MB':>9}{'load s':>9}{'GB/s':>8}")
     for (name, backend), r in res.items():

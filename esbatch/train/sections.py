@@ -51,9 +51,8 @@ class RunConfig:
     threads: int = setting(0, "torch CPU threads (0 = leave torch's default).", ge=0)
     keep_freed_memory: bool = setting(
         True,
-        "On CPU (model.device resolves to cpu): glibc keeps freed blocks under 1 GiB in the process rather than "
-        "unmapping them, so a step does not fault its activations in again; the process keeps its peak memory "
-        "(esbatch/train/memory.py). Changes no result.",
+        "On CPU: glibc keeps freed blocks under 1 GiB in the process, so a step does not fault its memory in "
+        "again; RSS stays at its peak (esbatch/train/memory.py). Changes no result.",
     )
     nproc_per_node: int = setting(
         1,
