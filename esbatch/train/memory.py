@@ -9,14 +9,14 @@ engine in it. ``keep_freed_memory()`` raises the mmap threshold to 1 GiB and tur
 stays in the heap for the next step: the process keeps its peak (a higher RSS), and faults stop after the first
 steps. It changes no value a run computes, only where its memory comes from. CUDA tensors are not glibc's.
 
-Only the calling process, from the call on; blocks already mapped are unmapped as before. Where the C library is not
-glibc (musl, macOS) nothing is changed and the call says so.
+Only the calling process, from the call on; blocks already mapped are unmapped as before, and so is a block over 64 MB
+(an arena's heap) that a thread other than the main one takes (the trainer's steps, and an in-process engine's, run
+in the main thread). Where the C library is not glibc (musl, macOS) nothing is changed and the call says so.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 # mallopt parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
