@@ -481,3 +481,28 @@ def test_an_eval_writes_under_evals_and_its_task_log_there(tmp_path):
     assert sd.eval_dir(key) == tmp_path / "s" / "evals" / key
     assert sd.task_log(key) == tmp_path / "s" / "evals" / key / "task.log"
     assert sd.task_log("run1") == tmp_path / "s" / "runs" / "run1" / "task.log"
+
+
+def test_kept_scores_of_a_pipeline_read_an_old_stages_logs_and_say_none_when_no_stage_has_one(tmp_path):
+    from esbatch.launch.state import kept_scores
+
+    pipe = _folder(tmp_path / "p", {})
+    old = _folder(pipe.stage(1, "es").path, {})  # a stage from before run.json kept scores: its logs
+    _logged(old, [0.1, 0.7], [])
+    assert kept_scores(pipe, {}) == (0.7, None)  # no stage has a held-out score: unknown, not an error
+    _logged(old, [], [(1, 0.8)])
+    assert kept_scores(pipe, {}) == (0.7, 0.8)
+
+
+def test_a_sweep_record_is_checked_for_the_keys_every_submission_writes_once_it_exists(tmp_path):
+    from esbatch.launch.state import SWEEP_RECORD_KEYS, SweepDir
+    from esbatch.train.rundir import RunFolderError
+
+    sd = SweepDir(tmp_path / "s")
+    assert sd.read(require=SWEEP_RECORD_KEYS) == {}  # before the first submission: nothing to check
+    sd.path.mkdir()
+    sd.meta_path.write_text(json.dumps({"name": "t", "runs": []}))
+    assert sd.read() == {"name": "t", "runs": []}
+    with pytest.raises(RunFolderError) as e:
+        sd.read(require=SWEEP_RECORD_KEYS)
+    assert "it lacks 'tracking_uri', 'experiment', which every submission writes" in str(e.value)
