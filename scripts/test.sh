@@ -9,14 +9,11 @@
 # budget (35 min on 2 cores, set-up included: BUDGET below; the set-up's time when .ci/run started it), then names
 # every unit case over 1 s and every other case over 60 s (reported, not failed: move or speed them up). The
 # script exits non-zero if any phase failed (every phase runs regardless). pytest-xdist spreads each phase over
-# workers: ESBATCH_TEST_WORKERS_UNIT / _MAIN / _VLLM set their numbers, 2 / 4 / 3 by default: more workers than
-# cores, since their tests wait on processes, engines and SLURM (integration at 3 workers: 2245 CPU-s in 1505 s,
-# 75% of 2 cores); vllm at 4 workers peaked at 24 GB of 24 and an engine failed, at 3 at 19 GB (docs/benchmarks.md),
+# workers: ESBATCH_TEST_WORKERS_UNIT / _MAIN / _VLLM set their numbers (docs/benchmarks.md, "Test suite time"),
 # the longest scopes first (--no-loadscope-reorder: tests/conftest.py orders them by tests/durations.json).
 # Every process a test starts uses one thread (tests/conftest.py: OMP_NUM_THREADS=1), and each vllm worker keeps
 # to its own cores (tests/vllm_cpu/conftest.py; ESBATCH_TEST_PIN=0 turns that off): threads of two workers
-# sharing a core wait on each other's time slices at every OpenMP barrier (5-7x slower, measured); with more
-# workers than cores each keeps to one core, round robin.
+# sharing a core wait on each other's time slices at every OpenMP barrier (5-7x slower, measured).
 # Extra arguments go to every pytest call (-x, -k EXPR).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,9 +44,9 @@ phase unit .venv/bin/python -m pytest -q -p no:cacheprovider -n "${ESBATCH_TEST_
 if [ "$tier" = all ]; then
   # the SLURM tests share one cluster (its fixture starts and stops it): one xdist group, so one worker
   phase integration+slurm .venv/bin/python -m pytest -q -p no:cacheprovider \
-    -n "${ESBATCH_TEST_WORKERS_MAIN:-4}" --dist loadgroup --no-loadscope-reorder --durations=30 \
+    -n "${ESBATCH_TEST_WORKERS_MAIN:-3}" --dist loadgroup --no-loadscope-reorder --durations=30 \
     tests/slurm tests/integration "$@"
-  phase vllm .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -n "${ESBATCH_TEST_WORKERS_VLLM:-3}" \
+  phase vllm .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -n "${ESBATCH_TEST_WORKERS_VLLM:-2}" \
     --dist loadgroup --no-loadscope-reorder --durations=30 tests/vllm_cpu "$@"
 fi
 

@@ -1,7 +1,7 @@
 """vLLM backend tests: they run in the second environment (`bash scripts/setup-vllm.sh`):
 `.venv-vllm/bin/python -m pytest -q tests/vllm_cpu` (tests/conftest.py leaves them out elsewhere).
 
-Faster on 2 cores: `-n 3 --dist loadgroup` (pytest-xdist). Every test names its xdist group, so a module's engines
+Faster on 2 cores: `-n 2 --dist loadgroup` (pytest-xdist). Every test names its xdist group, so a module's engines
 start once, on one worker; the few things several groups need (the tiny model, the undisturbed one-engine run) are
 built once per session, by whichever worker asks first (`once` below), the others waiting on its lock.
 
@@ -28,17 +28,11 @@ def _own_cores() -> None:
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if not worker.startswith("gw") or os.environ.get("ESBATCH_TEST_PIN", "1") == "0" or count < 2:
         return
-    os.sched_setaffinity(0, own_cores(int(worker[2:]), count, sorted(os.sched_getaffinity(0))))
-
-
-def own_cores(worker: int, count: int, cores: list[int]) -> list[int]:
-    """The cores xdist worker ``worker`` of ``count`` keeps to: an equal share of ``cores`` each, or, with more
-    workers than cores, one core each, round robin (3 workers on 2 cores: 0, 1, 0). On one core an engine runs one
-    OpenMP thread, so two workers sharing the core take turns on it and no barrier waits on the other's thread."""
-    if count > len(cores):
-        return [cores[worker % len(cores)]]
-    per = len(cores) // count
-    return cores[worker * per : (worker + 1) * per]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < count:
+        return
+    i, per = int(worker[2:]), len(cores) // count
+    os.sched_setaffinity(0, cores[i * per : (i + 1) * per])
 
 
 _own_cores()
