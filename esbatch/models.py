@@ -7,6 +7,7 @@ cached once under ``$ESBATCH_CACHE`` (default ``~/.cache/esbatch``) and later lo
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from esbatch import durable
 from esbatch.registry import Registry, did_you_mean
 from esbatch.schema import setting
 
@@ -456,11 +458,64 @@ def meta_parameter_count(
         kwargs["local_files_only"] = True
     key = (path, tuple(sorted(kwargs.items())), _config_stamp(path, kwargs.get("gguf_file")))
     if key not in _META_COUNTS:  # a GGUF's metadata (its whole vocabulary) takes seconds to read: once per process
-        _META_COUNTS[key] = sum(math.prod(s) for s in hf_parameter_shapes(path, **kwargs).values())
+        stored = _count_file(path, kwargs)
+        n = _read_count(stored)
+        if n is None:
+            n = sum(math.prod(s) for s in hf_parameter_shapes(path, **kwargs).values())
+            _write_count(stored, n)
+        _META_COUNTS[key] = n
     return _META_COUNTS[key]
 
 
 _META_COUNTS: dict[tuple[Any, ...], int] = {}
+COUNT_CACHE_VERSION = 1  # raise it when hf_parameter_shapes counts differently: every stored count is then redone
+
+
+def _count_file(path: str, kwargs: dict[str, Any]) -> Path | None:
+    """Where the meta-device count of a local model is kept between processes (``$ESBATCH_CACHE/param-counts``):
+    building it imports torch and transformers, 5-7 s of CPU, which every `esbatch sweep` paid for its cost plan.
+    Named by what the count depends on: the config.json's bytes (a GGUF file: its path, size and mtime), the
+    keyword arguments but local_files_only, and the transformers version that defines the model classes. None
+    for a hub id (its config is not a file here): counted in each process, as before."""
+    folder = Path(path)
+    gguf = kwargs.get("gguf_file")
+    try:
+        if gguf:
+            st = (folder / gguf).stat()
+            source = f"{(folder / gguf).resolve()}:{st.st_size}:{st.st_mtime_ns}"
+        else:
+            source = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()
+        transformers = importlib.metadata.version("transformers")
+    except (OSError, importlib.metadata.PackageNotFoundError):
+        return None
+    args = sorted((k, str(v)) for k, v in kwargs.items() if k != "local_files_only")
+    name = json.dumps([COUNT_CACHE_VERSION, source, args, transformers])
+    return cache_dir() / "param-counts" / f"{hashlib.sha256(name.encode()).hexdigest()[:32]}.json"
+
+
+def _read_count(stored: Path | None) -> int | None:
+    """The count kept in ``stored``; None where there is none, or it is unreadable or damaged (then it is redone)."""
+    if stored is None:
+        return None
+    try:
+        n = json.loads(stored.read_text())["parameters"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return n if type(n) is int and n > 0 else None
+
+
+def _write_count(stored: Path | None, n: int) -> None:
+    """Keep ``n`` for the next process (atomically: a reader sees the whole file or none); a cache that cannot be
+    written (read-only home, full disk) costs the next process its seconds, never the count."""
+    if stored is None:
+        return
+    try:
+        stored.parent.mkdir(parents=True, exist_ok=True)
+        durable.write_text(stored, json.dumps({"parameters": n}) + "\n")
+    except OSError:
+        pass
+
+
 _GGUF_COUNTS: dict[tuple[Any, ...], int] = {}
 
 

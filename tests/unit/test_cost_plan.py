@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import struct
 import sys
 from pathlib import Path
@@ -124,12 +125,75 @@ def test_rq1_cpu_plan_counts_rollouts_and_its_eval_phase():
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_meta_device_count_equals_the_loaded_models(tmp_path, kind):
+def test_meta_device_count_equals_the_loaded_models(tmp_path, monkeypatch, kind):
+    monkeypatch.setenv("ESBATCH_CACHE", str(tmp_path / "cache"))  # counted here, not read from an earlier run's cache
     path = make_tiny_model(tmp_path / kind, kind=kind)  # llama: tied embeddings; qwen2: an untied lm_head
     model, _ = load_model_and_tokenizer(str(path))
     loaded = sum(p.numel() for p in model.parameters())  # shared parameters once
     assert meta_parameter_count(str(path)) == loaded == parameter_count(str(path))
     assert meta_parameter_count(str(path), local_only=True) == loaded
+
+
+def test_the_meta_count_is_kept_between_processes_and_redone_when_what_it_depends_on_changes(tmp_path, monkeypatch):
+    """The count a sweep's cost plan needs is kept in $ESBATCH_CACHE (torch + transformers cost a process 5-7 s):
+    read back whole, and counted again for a changed config, another transformers version, or a damaged entry."""
+    import esbatch.models as models
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ESBATCH_CACHE", str(cache))
+    path = make_tiny_model(tmp_path / "m")
+    real_shapes = models.hf_parameter_shapes
+    calls: list[str] = []
+
+    def counted(model_dir, revision=None, **kwargs):
+        calls.append(model_dir)
+        return real_shapes(model_dir, revision, **kwargs)
+
+    monkeypatch.setattr(models, "hf_parameter_shapes", counted)
+
+    def fresh(**kw) -> int:  # a new process: its own memo empty, the cache on disk kept
+        models._META_COUNTS.clear()
+        return meta_parameter_count(str(path), **kw)
+
+    n = fresh()
+    loaded = sum(p.numel() for p in load_model_and_tokenizer(str(path))[0].parameters())
+    assert n == loaded and len(calls) == 1
+    (entry,) = (cache / "param-counts").iterdir()
+    assert yaml.safe_load(entry.read_text()) == {"parameters": n}
+    assert fresh() == n and fresh(local_only=True) == n and len(calls) == 1  # read back; local_only is not a key
+    # a damaged or impossible entry is counted again and rewritten; 1 is the smallest count read back as it is
+    for bad, counted_again in (
+        ("", True),
+        ('{"parameters": ', True),
+        ('{"parameters": 0}', True),
+        ('{"parameters": true}', True),
+        ('{"parameters": 2.0}', True),
+        ('{"n": 5}', True),
+        ('{"parameters": 1}', False),
+    ):
+        entry.write_text(bad)
+        before = len(calls)
+        assert fresh() == (n if counted_again else 1), bad
+        assert len(calls) == before + counted_again, bad
+        if counted_again:
+            assert yaml.safe_load(entry.read_text()) == {"parameters": n}, bad
+    # another transformers version: another entry
+    monkeypatch.setattr(models.importlib.metadata, "version", lambda dist: "0.0.1")
+    assert fresh() == n and len(calls) == 8 and len(list((cache / "param-counts").iterdir())) == 2
+    monkeypatch.undo()
+    monkeypatch.setenv("ESBATCH_CACHE", str(cache))
+    monkeypatch.setattr(models, "hf_parameter_shapes", counted)
+    # a changed config (same size and mtime would not hide it: the key is its bytes): counted again
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+    smaller = fresh()
+    assert smaller < n and len(calls) == 9
+    # a cache that cannot be written: still the count
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("ESBATCH_CACHE", str(blocked / "cache"))
+    assert fresh() == smaller and fresh() == smaller and len(calls) == 11
 
 
 def test_the_gguf_tensor_table_is_read_past_every_kind_of_metadata(tmp_path):
@@ -280,7 +344,8 @@ def _gpu_check_output(model):
     )
 
 
-def test_a_saved_gpu_check_output_replaces_the_assumed_rates(tmp_path, tiny_model_dir):
+def test_a_saved_gpu_check_output_replaces_the_assumed_rates(tmp_path, monkeypatch, tiny_model_dir):
+    monkeypatch.setenv("ESBATCH_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "gpu-check.txt"
     path.write_text(_gpu_check_output(tiny_model_dir))
     rates = load_rates(path, lambda name: meta_parameter_count(name))
