@@ -39,6 +39,9 @@ phase() {  # phase NAME COMMAND...
   echo "=== phase $name: exit $rc after ${secs[-1]} s" >&2
 }
 
+# esbatch's and the tests' bytecode, once for the hundreds of processes the phases start: where
+# PYTHONDONTWRITEBYTECODE is set (CI's machines), none of them can write it, and each compiled what it imported again
+.venv/bin/python -m compileall -q esbatch tests > /dev/null
 phase unit .venv/bin/python -m pytest -q -p no:cacheprovider -n "${ESBATCH_TEST_WORKERS_UNIT:-2}" \
   --durations=10 tests/unit "$@"
 if [ "$tier" = all ]; then
