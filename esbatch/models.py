@@ -504,16 +504,17 @@ def _read_count(stored: Path | None) -> int | None:
     return n if type(n) is int and n > 0 else None
 
 
-def _write_count(stored: Path | None, n: int) -> None:
-    """Keep ``n`` for the next process (atomically: a reader sees the whole file or none); a cache that cannot be
-    written (read-only home, full disk) costs the next process its seconds, never the count."""
+def _write_count(stored: Path | None, n: int) -> bool:
+    """Keep ``n`` for the next process (durably: a reader sees the whole file or none); whether it was kept. A cache
+    that cannot be written (read-only home, full disk) costs the next process its seconds, never the count."""
     if stored is None:
-        return
+        return False
     try:
         stored.parent.mkdir(parents=True, exist_ok=True)
         durable.write_text(stored, json.dumps({"parameters": n}) + "\n")
     except OSError:
-        pass
+        return False
+    return True
 
 
 _GGUF_COUNTS: dict[tuple[Any, ...], int] = {}

@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
     python = str(venv / "bin" / "python")
     uv = venv / "bin" / "uv"
     if not uv.exists():
-        subprocess.run([python, "-m", "pip", "install", "-q", f"uv=={UV_VERSION}"], check=True)
+        subprocess.run([python, "-m", "pip", "install", "-qq", f"uv=={UV_VERSION}"], check=True)  # -qq: no warnings
     flags, env = pip_settings(python)
     cmd = [str(uv), "pip", "install", "-q", "--python", python, "--index-strategy", "unsafe-best-match"]
     cmd += ["--compile-bytecode", *flags, *args]

@@ -324,6 +324,13 @@ def plan_file(root: Path, request: pytest.FixtureRequest) -> Callable[[], Any]:
     return lambda: _write_if_changed(root / "plan.yaml", "es:\n  updates: 2\n")
 
 
+def parameter_count(root: Path, request: pytest.FixtureRequest) -> Callable[[], Any]:
+    from esbatch.models import _write_count
+
+    (root / "count.json").write_text('{"parameters": 5}\n')
+    return lambda: 0 if _write_count(root / "count.json", 7) else 1  # a cache: it says whether it kept the count
+
+
 def aggregate_csv(root: Path, request: pytest.FixtureRequest) -> Callable[[], Any]:
     from esbatch.aggregate.tables import write_csv
 
@@ -571,6 +578,7 @@ CASES = {
     "config.yaml resume": Case(("esbatch/cli.py", "_train_config"), resume_config),
     "sweep.json": Case(("esbatch/launch/state.py", "SweepDir.locked"), sweep_record),
     "plan": Case(("esbatch/launch/submit.py", "_write_if_changed"), plan_file),
+    "parameter count": Case(("esbatch/models.py", "_write_count"), parameter_count),
     "aggregate csv": Case(("esbatch/aggregate/tables.py", "write_csv"), aggregate_csv),
     "aggregate md": Case(("esbatch/aggregate/tables.py", "finish"), aggregate_md),
     "report index": Case(("esbatch/aggregate/report.py", "write_report"), report_index),
