@@ -22,6 +22,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 # esbatch's own bytecode (an editable install is not compiled): where PYTHONDONTWRITEBYTECODE is set, every esbatch
-# process would compile its modules again (~0.5 s of CPU each); a module edited later is compiled in memory, as before
+# process would compile its modules again (~0.2 s of CPU each); a module edited later is compiled in memory, as before
 .venv/bin/python -m compileall -q esbatch > /dev/null
 echo "setup: .venv ready in ${SECONDS} s" >&2
