@@ -4,7 +4,8 @@ ARGs) together with esbatch itself (its pyproject.toml requirements, transformer
 image's Python and platform (3.12, manylinux_2_28 x86_64), must find one set of versions. A conflict fails the test
 with the resolver's explanation; only a registry that cannot be reached skips it. Nothing is installed.
 
-The resolver is uv's (`uv pip compile`), fetched from the registry into a temporary folder when it is not on PATH:
+The resolver is uv's (`uv pip compile`): the one scripts/uv_pip.py put into this venv, else uv on PATH, else that
+script's UV_VERSION fetched from the registry into a temporary folder:
 it reads a wheel's metadata with HTTP range requests, where pip downloads every wheel whole when the registry
 serves no separate metadata (~3 GB, 3 minutes here), and it resolves for another Python version while still
 building the metadata of sdist-only dependencies (DeepSpeed; cellpylib under reasoning-gym), which pip refuses
@@ -13,6 +14,7 @@ with --python-version. DeepSpeed's metadata is built with DS_BUILD_OPS=0 DS_ACCE
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -26,7 +28,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "build-image.sh"
-UV_VERSION = "0.13.9"  # the resolver, when it is not installed here
 NETWORK = ("error sending request", "Failed to fetch", "dns error", "Connection refused", "timed out")
 
 pytestmark = pytest.mark.slow
@@ -51,12 +52,24 @@ def _unreachable() -> str | None:
     return None
 
 
+def _uv_version() -> str:
+    """scripts/uv_pip.py's pin: the uv that set up this project's venvs."""
+    tree = ast.parse((ROOT / "scripts" / "uv_pip.py").read_text())
+    (value,) = [
+        n.value.value for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "UV_VERSION"
+    ]
+    return value
+
+
 def _uv(tmp: Path, env: dict[str, str]) -> str:
+    if (venv := Path(sys.executable).with_name("uv")).is_file():  # scripts/uv_pip.py installed it
+        return str(venv)
     if found := shutil.which("uv"):
         return found
+    version = _uv_version()
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(tmp / "uv")]
-    r = subprocess.run([*cmd, f"uv=={UV_VERSION}"], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, f"installing the resolver uv=={UV_VERSION} failed:\n{r.stderr[-2000:]}"
+    r = subprocess.run([*cmd, f"uv=={version}"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, f"installing the resolver uv=={version} failed:\n{r.stderr[-2000:]}"
     return str(tmp / "uv" / "bin" / "uv")
 
 
