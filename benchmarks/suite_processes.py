@@ -38,8 +38,11 @@ if not getattr(builtins, "_esbatch_proc_log", False):  # once: a venv's lib64 ->
             "wall": time.monotonic() - _t0,
             "mods": [m for m in HEAVY if m in sys.modules],
         }
-        with open(os.path.join(folder, f"{os.getpid()}-{time.time_ns()}.json"), "w") as f:  # pids are reused
-            json.dump(rec, f)
+        try:  # pids are reused: the time makes the name unique
+            with open(os.path.join(folder, f"{os.getpid()}-{time.time_ns()}.json"), "w") as f:
+                json.dump(rec, f)
+        except OSError:
+            pass  # a process that outlived the run (its folder removed): not counted
 
     atexit.register(_record)
 """
