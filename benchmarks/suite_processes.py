@@ -22,12 +22,11 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("torch", "transformers", "mlflow", "deepspeed", "vllm", "scipy", "sklearn")
+HEAVY = ("torch", "mlflow", "deepspeed", "vllm")  # the imports that set a process's start-up cost
 HOOK = """
 import atexit, builtins, json, os, resource, sys, time
 if not getattr(builtins, "_esbatch_proc_log", False):  # once: a venv's lib64 -> lib link lists site-packages twice
     builtins._esbatch_proc_log = True
-    _t0 = time.monotonic()
 
     def _record(folder=os.environ["ESBATCH_PROC_LOG"]):
         ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -35,7 +34,6 @@ if not getattr(builtins, "_esbatch_proc_log", False):  # once: a venv's lib64 ->
             "argv": sys.argv[:3],
             "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
             "cpu": ru.ru_utime + ru.ru_stime,
-            "wall": time.monotonic() - _t0,
             "mods": [m for m in HEAVY if m in sys.modules],
         }
         try:  # pids are reused: the time makes the name unique
@@ -62,7 +60,7 @@ def kind(rec: dict) -> str:
         prog = f"{package} {argv[1]}" if package == "esbatch" and len(argv) > 1 else package
     elif prog in ("-c", ""):
         prog = "python -c"
-    libs = "+".join(m for m in rec["mods"] if m in ("torch", "mlflow", "deepspeed", "vllm")) or "-"
+    libs = "+".join(rec["mods"]) or "-"
     return f"{prog} [{libs}]"
 
 

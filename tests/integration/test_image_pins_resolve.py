@@ -14,7 +14,7 @@ with --python-version. DeepSpeed's metadata is built with DS_BUILD_OPS=0 DS_ACCE
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 import os
 import re
 import shutil
@@ -54,11 +54,10 @@ def _unreachable() -> str | None:
 
 def _uv_version() -> str:
     """scripts/uv_pip.py's pin: the uv that set up this project's venvs."""
-    tree = ast.parse((ROOT / "scripts" / "uv_pip.py").read_text())
-    (value,) = [
-        n.value.value for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "UV_VERSION"
-    ]
-    return value
+    spec = importlib.util.spec_from_file_location("uv_pip", ROOT / "scripts" / "uv_pip.py")
+    uv_pip = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(uv_pip)
+    return uv_pip.UV_VERSION
 
 
 def _uv(tmp: Path, env: dict[str, str]) -> str:
