@@ -90,7 +90,8 @@ def _stage(python: str) -> Path:
     stage = Path(tempfile.mkdtemp(prefix="esbatch-sbx-stage-"))
     no_cache = shutil.ignore_patterns("__pycache__")
     shutil.copytree(REPO / "esbatch" / "sandbox", stage / "esbatch" / "sandbox", ignore=no_cache)
-    shutil.copy(REPO / "esbatch" / "__init__.py", stage / "esbatch" / "__init__.py")
+    for module in ("__init__.py", "importgc.py"):  # the package's own import
+        shutil.copy(REPO / "esbatch" / module, stage / "esbatch" / module)
     shutil.copy(PROGRAMS, stage / PROGRAMS.name)
     for path in [stage, *stage.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
