@@ -55,10 +55,24 @@ def _import(name: str, globals: Any = None, locals: Any = None, fromlist: Any = 
         return _original_import(name, globals, locals, fromlist, level)
     finally:
         with _lock:
-            _importing -= 1
+            _importing = max(0, _importing - 1)  # an import under way when this process was forked: see below
             if _importing == 0 and _paused:
                 _paused = False
                 gc.enable()
+
+
+def _after_fork_in_child() -> None:
+    """Only the forking thread lives on in a forked child: the imports other threads had under way never end there,
+    and a lock one of them held would never be released. The child starts over: collector on, nothing counted."""
+    global _lock, _importing, _paused
+    _lock = threading.RLock()
+    _importing = 0
+    if _paused:
+        _paused = False
+        gc.enable()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def install() -> None:
